@@ -1,0 +1,39 @@
+"""fsdp_compose: fully-sharded data parallel that attaches to modules instead of wrapping them.
+
+``fc.fully_shard(module, mesh=...)`` shards parameters over data-parallel ranks as DTensors and adds hooks; the
+module keeps its class. See docs/design.md for one training step through the code.
+"""
+
+from .api import (
+    fully_shard,
+    get_state,
+    is_fully_sharded,
+    no_sync,
+    register_forward_method,
+    reshard,
+    set_gradient_divide_factor,
+    set_requires_gradient_sync,
+    set_reshard_after_backward,
+    set_reshard_after_forward,
+    unshard,
+)
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "fully_shard",
+    "get_state",
+    "is_fully_sharded",
+    "no_sync",
+    "register_forward_method",
+    "reshard",
+    "set_gradient_divide_factor",
+    "set_requires_gradient_sync",
+    "set_reshard_after_backward",
+    "set_reshard_after_forward",
+    "unshard",
+]

@@ -1,0 +1,400 @@
+"""``fully_shard`` and the functions that act on a sharded module.
+
+``fully_shard`` first validates everything (types, mesh, parameters) without touching the model, then shards: so a
+bad call raises a clear error with the model as it was, and no collective has run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal, Protocol, TypeVar, overload
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .state import STATE_ATTR, ShardState, states_under
+from .unit import OWNER_ATTR, ShardedUnit
+
+__all__ = [
+    "fully_shard",
+    "get_state",
+    "is_fully_sharded",
+    "no_sync",
+    "register_forward_method",
+    "reshard",
+    "set_gradient_divide_factor",
+    "set_requires_gradient_sync",
+    "set_reshard_after_backward",
+    "set_reshard_after_forward",
+    "unshard",
+]
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+_ParamEntry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
+
+
+@overload
+def fully_shard(module: ModuleT, **kwargs: Any) -> ModuleT: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[nn.Module]: ...
+
+
+def fully_shard(
+    module: Any,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    extensions: Any = None,
+    frozen_params: Literal["shard", "replicate"] = "shard",
+    auto_refresh_trainable: bool = True,
+) -> Any:
+    """Shard ``module``'s parameters over the data-parallel ranks of ``mesh`` and attach the hooks that gather them.
+
+    The module keeps its class; its parameters become ``nn.Parameter(DTensor)`` with placement ``Shard(0)``, the
+    local shard being this rank's ``torch.chunk`` of dim 0. Call it on submodules first (e.g. every transformer
+    block), then on the root: each call's unit holds the parameters not already held by a sharded submodule.
+    A list of modules shares one unit (gathered once before the first of them runs).
+
+    Returns the same object(s) it was given.
+    """
+    modules = _as_module_list(module)
+    mesh = _resolve_mesh(mesh)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            "reshard_after_forward as an int (reshard to a smaller group) is not supported yet; pass True or False"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be an fc.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an fc.OffloadPolicy, got {type(offload_policy).__name__}")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("CPUOffloadPolicy is not supported yet; use fc.OffloadPolicy()")
+    if extensions is not None:
+        raise NotImplementedError("extensions (fc.ShardExtensions) are not supported yet; pass extensions=None")
+    if frozen_params not in ("shard", "replicate"):
+        raise ValueError(f'frozen_params must be "shard" or "replicate", got {frozen_params!r}')
+    if frozen_params == "replicate":
+        raise NotImplementedError('frozen_params="replicate" is not supported yet; use "shard"')
+    ignored = _ignored_ids(ignored_params)
+
+    owner_name = _describe(modules)
+    params = _collect_params(modules, ignored, owner_name)
+    device = _mesh_device(mesh)
+    _check_params(params, shard_placement_fn, owner_name)
+
+    # Everything is validated: from here on the model changes.
+    for m in modules:
+        _move_buffers(m, device)
+    unit = ShardedUnit(params, mesh, device, mp_policy.param_dtype, mp_policy.reduce_dtype, owner_name)
+    state = ShardState(
+        tuple(modules),
+        unit,
+        mesh,
+        device,
+        reshard_after_forward,
+        mp_policy,
+        auto_refresh_trainable,
+    )
+    for m in modules:
+        m.__dict__[STATE_ATTR] = state
+    state.register_hooks()
+    return module
+
+
+# ---------------------------------------------------------------------- validation helpers
+def _as_module_list(module: Any) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+        if get_state(m) is not None:
+            raise ValueError(
+                f"fully_shard was already called on this {type(m).__name__}; call it once per module "
+                "(use fc.set_reshard_after_forward etc. to change settings)"
+            )
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard got the same module twice in its list")
+    return modules
+
+
+def _resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "fully_shard(mesh=None) shards over the default process group, which is not initialized; call "
+                "torch.distributed.init_process_group() first (torchrun sets its environment) or pass mesh="
+            )
+        backend = str(dist.get_backend())
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        device_type = accelerator.type if accelerator is not None and backend != "gloo" else "cpu"
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; build one with "
+            'init_device_mesh("cuda", (world_size,))'
+        )
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard supports a 1-D mesh for now, got a {mesh.ndim}-D mesh {mesh.mesh_dim_names or ''}; pass "
+            'the data-parallel dimension, e.g. mesh["dp"]'
+        )
+    return mesh
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def _ignored_ids(ignored_params: Iterable[nn.Parameter] | None) -> set[int]:
+    if ignored_params is None:
+        return set()
+    ignored = list(ignored_params)
+    for p in ignored:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"ignored_params must hold parameters, got {type(p).__name__}")
+    return {id(p) for p in ignored}
+
+
+def _describe(modules: list[nn.Module]) -> str:
+    return "[" + ", ".join(type(m).__name__ for m in modules) + "]" if len(modules) > 1 else type(modules[0]).__name__
+
+
+def _collect_params(modules: list[nn.Module], ignored: set[int], owner_name: str) -> list[_ParamEntry]:
+    """Parameters this call manages: all under ``modules`` except ignored ones and those of sharded submodules."""
+    entries: dict[int, _ParamEntry] = {}
+    taken: dict[int, str] = {}  # id of a parameter already sharded by a submodule's call -> its owner
+    visited: set[int] = set()
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        if id(module) in visited:
+            return
+        visited.add(id(module))
+        for name, param in module._parameters.items():
+            if param is None or id(param) in ignored:
+                continue
+            fqn = prefix + name
+            owner = getattr(param, OWNER_ATTR, None)
+            if owner is not None:
+                raise ValueError(
+                    f"parameter '{fqn}' is already sharded by the fully_shard call on {owner}, which encloses "
+                    f"{owner_name}; call fully_shard bottom-up: submodules first, then their parents"
+                )
+            if id(param) in entries:
+                entries[id(param)][2].append((module, name))
+            else:
+                entries[id(param)] = (fqn, param, [(module, name)])
+        for child_name, child in module._modules.items():
+            if child is None:
+                continue
+            child_state = get_state(child)
+            if child_state is not None:
+                for ref in child_state.unit.original_params:
+                    original = ref()
+                    if original is not None:
+                        taken[id(original)] = child_state.unit.owner_name
+                for mp in child_state.unit.params:
+                    taken[id(mp.sharded)] = child_state.unit.owner_name
+                continue
+            visit(child, prefix + child_name + ".")
+
+    for module in modules:
+        visit(module, "")
+    for fqn, param, _ in entries.values():
+        if id(param) in taken:
+            raise ValueError(
+                f"parameter '{fqn}' of {owner_name} is tied to a parameter that fully_shard on {taken[id(param)]} "
+                "already sharded; tied weights must live in one unit: shard their closest common parent (or pass "
+                "both modules as a list to one fully_shard call)"
+            )
+    return list(entries.values())
+
+
+def _check_params(
+    params: list[_ParamEntry],
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    owner_name: str,
+) -> None:
+    devices = {p.device for _, p, _ in params}
+    if len(devices) > 1:
+        listing = ", ".join(f"'{fqn}' on {p.device}" for fqn, p, _ in params[:8])
+        raise ValueError(
+            f"parameters of {owner_name} are on different devices ({listing}); move the module to one device "
+            "(or to 'meta') before fully_shard"
+        )
+    for fqn, param, _ in params:
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"parameter '{fqn}' of {owner_name} is already a DTensor (tensor parallel?); composing fully_shard "
+                "with tensor parallel is not supported yet"
+            )
+        if not param.is_floating_point() and not param.is_complex():
+            raise TypeError(
+                f"parameter '{fqn}' of {owner_name} has dtype {param.dtype}; only floating-point parameters can be "
+                "sharded — pass it in ignored_params or make it a buffer"
+            )
+        if shard_placement_fn is not None:
+            placement: Placement | None = shard_placement_fn(param)
+            if placement is not None and placement != Shard(0):
+                raise NotImplementedError(
+                    f"shard_placement_fn returned {placement} for '{fqn}'; only Shard(0) (or None) is supported yet"
+                )
+    dtypes = {p.dtype for _, p, _ in params if p.ndim > 0}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"'{fqn}': {p.dtype}" for fqn, p, _ in params[:8])
+        raise ValueError(
+            f"parameters of {owner_name} have different dtypes ({listing}); one unit shares one flat buffer — cast "
+            "them to one dtype or call fully_shard on the submodules that differ first"
+        )
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+# ---------------------------------------------------------------------- functions on a sharded module
+def get_state(module: nn.Module) -> ShardState | None:
+    """The state ``fully_shard`` attached to this module instance, or None."""
+    return module.__dict__.get(STATE_ATTR)
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    """True when ``fully_shard`` was called on this module (directly or as part of a list)."""
+    return get_state(module) is not None
+
+
+def _require_state(module: nn.Module) -> ShardState:
+    state = get_state(module)
+    if state is None:
+        raise ValueError(f"this {type(module).__name__} is not sharded; call fc.fully_shard on it first")
+    return state
+
+
+def _states(module: nn.Module, recurse: bool) -> list[ShardState]:
+    if not recurse:
+        return [_require_state(module)]
+    states = states_under(module)
+    if not states:
+        raise ValueError(f"no module under this {type(module).__name__} is sharded; call fc.fully_shard first")
+    return states
+
+
+class UnshardHandle(Protocol):
+    def wait(self) -> None: ...
+
+
+class _PendingUnshard:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather and registers full parameters."""
+
+    def __init__(self, state: ShardState) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        self._state.unit.finish_unshard()
+
+
+def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | None:
+    """All-gather the module's own unit now (e.g. to prefetch or to run code outside forward on full parameters)."""
+    state = _require_state(module)
+    state.unit.start_unshard(async_op=async_op)
+    if async_op:
+        return _PendingUnshard(state)
+    state.unit.finish_unshard()
+    return None
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the module's own full parameters and register the sharded ones again (no communication)."""
+    _require_state(module).unit.reshard()
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_sync: bool, *, recurse: bool = True) -> None:
+    """When False, backward keeps full gradients and accumulates them; the next synced backward reduces them."""
+    for state in _states(module, recurse):
+        state.requires_gradient_sync = requires_sync
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module) -> Iterator[None]:
+    """Context manager for gradient accumulation: no reduction inside, previous settings restored after."""
+    states = _states(module, True)
+    previous = [state.requires_gradient_sync for state in states]
+    for state in states:
+        state.requires_gradient_sync = False
+    try:
+        yield
+    finally:
+        for state, value in zip(states, previous):
+            state.requires_gradient_sync = value
+
+
+def set_reshard_after_forward(module: nn.Module, value: bool, *, recurse: bool = True) -> None:
+    """Free full parameters after forward (True) or keep them until backward (False: no second all-gather)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"reshard_after_forward must be a bool here, got {value!r}")
+    for state in _states(module, recurse):
+        state.reshard_after_forward_setting = value
+
+
+def set_reshard_after_backward(module: nn.Module, value: bool, *, recurse: bool = True) -> None:
+    """Keep full parameters after backward (False), e.g. across no-sync micro-batches to skip re-gathering.
+
+    A unit kept unsharded across an optimizer step is gathered again at its next forward (the step is detected from
+    the sharded parameters' version counters), so the values stay right.
+    """
+    for state in _states(module, recurse):
+        state.reshard_after_backward = value
+
+
+def set_gradient_divide_factor(module: nn.Module, factor: float, *, recurse: bool = True) -> None:
+    """Divide reduced gradients by ``factor`` instead of the data-parallel size (1.0 gives the plain sum)."""
+    if not factor > 0:
+        raise ValueError(f"gradient divide factor must be positive, got {factor}")
+    for state in _states(module, recurse):
+        state.gradient_divide_factor = float(factor)
+
+
+class _UnshardingMethod:
+    """Instance attribute standing in for a method: unshard around it like around forward."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module = module
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = _require_state(self.module)
+        method = getattr(type(self.module), self.name)
+        hooked = state.pre_forward(self.module, args, kwargs)
+        if hooked is not None:
+            args, kwargs = hooked
+        output = method(self.module, *args, **kwargs)
+        result = state.post_forward(self.module, args, output)
+        return output if result is None else result
+
+
+def register_forward_method(module: nn.Module, name: str) -> None:
+    """Unshard around ``module.<name>(...)`` as around forward (e.g. ``generate``); bound to this instance only."""
+    _require_state(module)
+    if not callable(getattr(type(module), name, None)):
+        raise ValueError(f"{type(module).__name__} has no method {name!r} to register")
+    if isinstance(module.__dict__.get(name), _UnshardingMethod):
+        return
+    module.__dict__[name] = _UnshardingMethod(module, name)

@@ -1,0 +1,44 @@
+"""The flat collectives a unit issues, under whichever names this torch release has.
+
+torch 2.13 names them ``all_gather_single`` / ``reduce_scatter_single`` and warns on the older
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``; releases before that only have the older names. The lookup
+happens once at import; nothing is patched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Work", "all_gather_flat", "all_reduce", "reduce_scatter_flat"]
+
+
+class Work(Protocol):
+    """What an asynchronous collective returns."""
+
+    def wait(self) -> Any: ...
+
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_flat(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
+) -> Work | None:
+    """Concatenate every rank's equally sized ``shard`` into ``output`` (rank-major)."""
+    return _all_gather(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
+) -> Work | None:
+    """Sum ``buffer`` over ranks and give rank ``r`` the ``r``-th equal slice in ``output``."""
+    return _reduce_scatter(output, buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Work | None:
+    """Sum ``tensor`` over ranks in place."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

@@ -1,0 +1,287 @@
+"""Per-call state and the hooks that drive one training step.
+
+``fully_shard`` attaches one ``ShardState`` to the module instance (an attribute; no class swap, no registry) and
+registers bound methods of it as module hooks. One step, top to bottom::
+
+    root pre-forward        lazy init on the first call (find the root, check every unit), reset per-step state
+    unit pre-forward        all-gather (unshard); wrap the inputs in _PostBackward so backward can tell us when
+                            the unit's input gradients exist
+    user forward            runs unchanged on full parameters
+    unit post-forward       reshard (per reshard_after_forward; always under no_grad); hook the outputs
+    ---- loss.backward() ----
+    output hook (pre-bw)    all-gather again if resharded; the first one queues the root's final callback
+    user backward           autograd fills the full parameters' .grad
+    _PostBackward.backward  the unit's input gradients exist: reduce-scatter grads, reshard
+    final callback          units whose post-backward never fired (no input needed grad, unused on this rank)
+                            reduce and reshard now; reset per-step state
+
+A unit's states: SHARDED -> (GATHERING) -> UNSHARDED -> SHARDED, see ``unit.UnitState``.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .policies import MixedPrecisionPolicy
+from .unit import ShardedUnit, UnitState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["STATE_ATTR", "ShardState", "TrainingState", "states_under"]
+
+# Name of the instance attribute holding the state. A constant name, not a registry: the state lives and dies with
+# the module (and is copied with it by copy.deepcopy).
+STATE_ATTR = "_fsdp_compose_state"
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"  # unsharded for backward; a forward now is an activation-checkpoint recompute
+
+
+def states_under(module: nn.Module) -> list[ShardState]:
+    """Every state on ``module`` and its submodules, in pre-order, each once (a list-form state appears once)."""
+    seen: set[int] = set()
+    found = []
+    for sub in module.modules():
+        state = sub.__dict__.get(STATE_ATTR)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            found.append(state)
+    return found
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs whose backward runs once all their gradients are computed.
+
+    By then the unit's own backward is done (its ops consumed those inputs), so its parameter gradients can be
+    reduced and its full parameters freed — layer by layer, not at the end of backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: ShardState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+class ShardState:
+    """Everything one ``fully_shard`` call attached: its modules, its unit, its settings and per-step flags."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        unit: ShardedUnit,
+        mesh: DeviceMesh,
+        device: torch.device,
+        reshard_after_forward: bool | None,
+        mp_policy: MixedPrecisionPolicy,
+        auto_refresh_trainable: bool,
+    ) -> None:
+        self.modules = modules
+        self.unit = unit
+        self.mesh = mesh
+        self.device = device
+        self.mp_policy = mp_policy
+        self.auto_refresh_trainable = auto_refresh_trainable
+        # Settings (changed through the fc.set_* functions).
+        self.reshard_after_forward_setting = reshard_after_forward  # None: decided at lazy init (root keeps)
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.gradient_divide_factor: float | None = None
+        # Set at lazy init.
+        self.root: ShardState | None = None
+        self.root_states: list[ShardState] = []  # on the root only: every state under it, pre-order
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self.training_state = TrainingState.IDLE
+        self.forward_pending: set[int] = set()  # ids of this state's modules whose forward has not finished
+        self.post_backward_pending = False
+        self.reduced_this_backward = False
+        self.final_callback_queued = False
+
+    # ------------------------------------------------------------------ hooks registration
+    def register_hooks(self) -> None:
+        for module in self.modules:
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward)
+            module.register_state_dict_pre_hook(self._reshard_for_state_dict)
+            module.register_load_state_dict_pre_hook(self._reshard_for_load_state_dict)
+
+    def _reshard_for_state_dict(self, *unused: Any) -> None:
+        self.unit.reshard()
+
+    def _reshard_for_load_state_dict(self, *unused: Any) -> None:
+        self.unit.reshard()
+
+    # ------------------------------------------------------------------ root and lazy init
+    @property
+    def is_root(self) -> bool:
+        return self.root is self
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        if self.reshard_after_forward_setting is None:
+            return not self.is_root
+        return self.reshard_after_forward_setting
+
+    def lazy_init(self) -> None:
+        """Become the root of every state below this one. Checks run first, so a bad model fails before a collective."""
+        states: list[ShardState] = []
+        seen: set[int] = set()
+        for module in self.modules:
+            for state in states_under(module):
+                if id(state) not in seen:
+                    seen.add(id(state))
+                    states.append(state)
+        for state in states:
+            state.unit.check_materialized()
+        for state in states:
+            state.root = self
+            state.root_states = []
+        self.root_states = states
+        logger.debug("lazy init: root %s with %d units", self.unit.owner_name, len(states))
+
+    def _root_pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        # A forward with grad enabled and no backward (e.g. evaluation without no_grad) leaves per-step flags set.
+        for state in self.root_states:
+            state._reset_step()
+        if self.device.type != "cpu":
+            args, kwargs = tree_map(self._to_device, (args, kwargs))
+        return args, kwargs
+
+    def _to_device(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.device != self.device:
+            return value.to(self.device, non_blocking=True)
+        return value
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return None  # activation-checkpoint recompute inside backward: parameters are already unsharded
+        if self.forward_pending:
+            return None  # list form: another module of this unit already unsharded it
+        if self.root is None:
+            self.lazy_init()
+        if self.is_root:
+            args, kwargs = self._root_pre_forward(args, kwargs)
+        self.forward_pending = {id(m) for m in self.modules}
+        self.training_state = TrainingState.FORWARD
+        if self.unit.is_unsharded and self.unit.is_stale():
+            self.unit.reshard()  # kept unsharded across an optimizer step: gather the new values
+        self.unit.unshard()
+        param_dtype = self.mp_policy.param_dtype
+        if param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = tree_map(lambda v: _cast_floating(v, param_dtype), (args, kwargs))
+        if torch.is_grad_enabled():
+            args, kwargs = self._wrap_inputs(args, kwargs)
+        return args, kwargs
+
+    def _wrap_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not positions:
+            return args, kwargs  # nothing to hook: the final callback finishes this unit
+        wrapped = _PostBackward.apply(self, *(leaves[i] for i in positions))
+        for i, tensor in zip(positions, wrapped):
+            leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return None
+        self.forward_pending.discard(id(module))
+        if self.forward_pending:
+            return None
+        self.training_state = TrainingState.IDLE
+        grad_enabled = torch.is_grad_enabled()
+        if not grad_enabled or self.reshard_after_forward:
+            self.unit.reshard()
+        output_dtype = self.mp_policy.output_dtype
+        if output_dtype is not None:
+            output = tree_map(lambda v: _cast_floating(v, output_dtype), output)
+        if grad_enabled:
+            for leaf in tree_flatten(output)[0]:
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    leaf.register_hook(self._pre_backward)
+        return output
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        root = self.root
+        if root is not None and not root.final_callback_queued:
+            root.final_callback_queued = True
+            Variable._execution_engine.queue_callback(root._final_callback)
+        self.unit.unshard()
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.post_backward_pending = True
+
+    def post_backward(self) -> None:
+        """Reduce this unit's gradients (when syncing) and reshard; runs once the unit's backward is done."""
+        if not self.post_backward_pending:
+            return
+        self.post_backward_pending = False
+        self.training_state = TrainingState.IDLE
+        if self.requires_gradient_sync and not self.reduced_this_backward:
+            self.unit.reduce_grads(self.gradient_divide_factor)
+            self.reduced_this_backward = True
+        if self.reshard_after_backward:
+            self.unit.reshard()
+
+    def _final_callback(self) -> None:
+        """End of backward (queued by the first pre-backward hook): finish every unit, then reset per-step state.
+
+        Units go in reverse pre-order (roughly backward order). A trainable unit that never saw a gradient on this
+        rank still reduce-scatters (zeros) when syncing, because another rank may have used it.
+        """
+        for state in reversed(self.root_states):
+            if state.post_backward_pending:
+                state.post_backward()
+            elif state.requires_gradient_sync and not state.reduced_this_backward and state.unit.has_trainable():
+                state.unit.reduce_grads(state.gradient_divide_factor)
+            if state.reshard_after_backward and state.unit.state is not UnitState.SHARDED:
+                state.unit.reshard()
+        for state in self.root_states:
+            state._reset_step()
+
+    # ------------------------------------------------------------------ copy.deepcopy
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardState:
+        if self.unit.state is not UnitState.SHARDED:
+            raise RuntimeError(
+                f"copy.deepcopy of a sharded module while its unit {self.unit.owner_name} is unsharded; call "
+                "fc.reshard(module) first (units are resharded between training steps)"
+            )
+        new = object.__new__(ShardState)
+        memo[id(self)] = new
+        new.__dict__.update(self.__dict__)
+        new.modules = tuple(copy.deepcopy(m, memo) for m in self.modules)
+        new.unit = self.unit.copy_for(memo)
+        new.root = None
+        new.root_states = []
+        new._reset_step()
+        return new
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    return value

@@ -1,0 +1,111 @@
+"""Helpers for test bodies that run inside pool workers: meshes, the reference GPT and comparisons."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import fsdp_compose as fc
+from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
+
+# One mesh per shape for the life of a worker process: building a new mesh per test leaks process groups.
+_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}
+
+
+def mesh_1d(world_size: int) -> DeviceMesh:
+    key = (world_size,)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", (world_size,))
+    return _MESHES[key]
+
+
+def shard_gpt(model: GPT, mesh: DeviceMesh, **kwargs: Any) -> GPT:
+    """The torchtitan recipe: every block, then the root."""
+    for block in model.blocks:
+        fc.fully_shard(block, mesh=mesh, **kwargs)
+    fc.fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def max_param_diff(model: nn.Module, reference: nn.Module) -> float:
+    ref = dict(reference.named_parameters())
+    worst = 0.0
+    for name, param in model.named_parameters():
+        worst = max(worst, (full_value(param.detach()) - ref[name].detach()).abs().max().item())
+    return worst
+
+
+def local_batch(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return batch.chunk(world_size)[rank]
+
+
+OptFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def make_optimizer(kind: str) -> OptFactory:
+    if kind == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if kind == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    raise ValueError(kind)
+
+
+def train_pair(
+    rank: int,
+    world_size: int,
+    model: nn.Module,
+    reference: nn.Module,
+    cfg: GPTConfig,
+    *,
+    steps: int = 3,
+    optimizer: str = "sgd",
+    batch_size: int = 4,
+    micro_batches: int = 1,
+) -> float:
+    """Train the sharded ``model`` on this rank's slice and ``reference`` on the whole global batch; max |diff|.
+
+    With ``micro_batches > 1`` the sharded model accumulates under ``fc.no_sync`` and syncs on the last one; the
+    reference sees the same global batch in one step (the losses are scaled so the gradients agree).
+    """
+    opt = make_optimizer(optimizer)(model.parameters())
+    ref_opt = make_optimizer(optimizer)(reference.parameters())
+    for step in range(steps):
+        inputs, targets = synthetic_batch(cfg, batch_size, step)
+        ref_opt.zero_grad()
+        loss_fn(reference(inputs), targets).backward()
+        ref_opt.step()
+
+        opt.zero_grad()
+        local_in = local_batch(inputs, rank, world_size)
+        local_tg = local_batch(targets, rank, world_size)
+        for micro, (mi, mt) in enumerate(zip(local_in.chunk(micro_batches), local_tg.chunk(micro_batches))):
+            last = micro == micro_batches - 1
+            ctx = fc.no_sync(model) if not last else _nullcontext()
+            with ctx:
+                (loss_fn(model(mi), mt) / micro_batches).backward()
+        opt.step()
+    return max_param_diff(model, reference)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def reference_and_copy(cfg: GPTConfig, seed: int = 0) -> tuple[GPT, GPT]:
+    torch.manual_seed(seed)
+    reference = GPT(cfg)
+    return reference, copy.deepcopy(reference)

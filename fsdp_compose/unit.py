@@ -71,7 +71,45 @@ def _make_sharded_param(
     dtensor = DTensor.from_local(
         local, mesh, (placement,), run_check=False, shape=shape, stride=_contiguous_stride(shape)
     )
-    return nn.Parameter(dtensor, requires_grad=requires_grad)
+    param = nn.Parameter(dtensor, requires_grad=requires_grad)
+    _install_copier(param)
+    return param
+
+
+def _install_copier(param: nn.Parameter) -> None:
+    # ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance first. torch's Tensor.__deepcopy__ takes a DTensor
+    # whose local tensor is a view at a non-zero offset (ours: a slice of the flat buffer) for a plain tensor with
+    # storage and fails, so each sharded parameter carries its own copier. It also keeps the mesh shared.
+    param.__dict__["__deepcopy__"] = _ShardedParamCopier(param)
+
+
+class _ShardedParamCopier:
+    """``copy.deepcopy`` of one sharded parameter: a DTensor parameter over a clone of its local shard (and grad)."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        # A strong reference (a cycle the GC collects): a weakref would make torch.utils.swap_tensors, which
+        # Module.to_empty uses on DTensor parameters, refuse the parameter.
+        self._param = param
+
+    def __call__(self, memo: dict[int, Any]) -> nn.Parameter:
+        param = self._param
+        assert isinstance(param, DTensor)
+        placement = param.placements[0]
+        assert isinstance(placement, (Shard, Replicate))
+        new = _make_sharded_param(
+            param._local_tensor.detach().clone(), param.device_mesh, placement, param.shape, param.requires_grad
+        )
+        memo[id(param)] = new
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            new.grad = DTensor.from_local(
+                grad._local_tensor.clone(), grad.device_mesh, grad.placements, run_check=False,
+                shape=grad.shape, stride=grad.stride(),
+            )
+        owner = getattr(param, OWNER_ATTR, None)
+        if owner is not None:
+            setattr(new, OWNER_ATTR, owner)
+        return new
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -189,6 +227,7 @@ class ShardedUnit:
             grad = mp.sharded.grad
             fresh = _make_sharded_param(new_local, self.mesh, placement, mp.sharded.shape, mp.sharded.requires_grad)
             torch.utils.swap_tensors(mp.sharded, fresh)
+            _install_copier(mp.sharded)  # the swap moved the copier that pointed at ``fresh``
             mp.sharded.grad = grad
             setattr(mp.sharded, OWNER_ATTR, self.owner_name)
             mp.local = mp.sharded._local_tensor

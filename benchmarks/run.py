@@ -1,0 +1,324 @@
+"""fsdp_compose vs torch FSDP2 (``torch.distributed.fsdp.fully_shard``) vs DDP on the example GPT, gloo CPU ranks.
+
+    python benchmarks/run.py --nproc 2 --configs fp32 bf16 frozen no_reshard [--write docs/benchmarks.md]
+
+Spawns ``--nproc`` gloo ranks (one torch thread each). Per config, every rank builds the three models from the same
+seed and trains them on the same batches, interleaving steps A, B, C, A, B, C, ... with a barrier before and after
+each step; the figures of merit are the medians of the per-round time ratios (noise hits neighbouring steps alike).
+Then each implementation alone (the others deleted) runs one non-timed step under the live-bytes counter
+(``benchmarks/memory.py``), and one step under the collective counter (``benchmarks/comm.py``). See
+benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy  # noqa: E402
+from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+import fsdp_compose as fc  # noqa: E402
+from benchmarks.comm import CollectiveCounter, UnitSpec, min_collective_bytes  # noqa: E402
+from benchmarks.memory import LiveBytesCounter, live_storage_keys, tensors_since  # noqa: E402
+from benchmarks.report import render_tables, write_section  # noqa: E402
+from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
+
+IMPLS = ("fsdp_compose", "torch_fsdp2", "ddp")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A benchmark configuration: what changes relative to plain fp32 training."""
+
+    name: str
+    bf16: bool = False  # FSDPs: param_dtype=bf16, reduce_dtype=fp32; DDP: bf16 autocast
+    frozen: bool = False  # every block but the last has requires_grad=False
+    no_reshard: bool = False  # reshard_after_forward=False on every unit (FSDPs)
+
+
+VARIANTS = {
+    "fp32": Variant("fp32"),
+    "bf16": Variant("bf16", bf16=True),
+    "frozen": Variant("frozen", frozen=True),
+    "no_reshard": Variant("no_reshard", no_reshard=True),
+}
+
+
+@dataclass(frozen=True)
+class BenchArgs:
+    nproc: int
+    configs: tuple[str, ...]
+    steps: int
+    warmup: int
+    dim: int
+    layers: int
+    heads: int
+    seq: int
+    batch: int
+    vocab: int
+    seed: int
+    memory: bool
+
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=self.vocab, seq_len=self.seq, dim=self.dim, n_layers=self.layers, n_heads=self.heads
+        )
+
+
+# ---------------------------------------------------------------------- one implementation
+@dataclass
+class Impl:
+    """A model wrapped by one implementation, its optimizer, and how to run one training step."""
+
+    name: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    autocast_dtype: torch.dtype | None = None
+    last_loss: float = float("nan")
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Forward, backward, optimizer step; gradients are freed right after the step."""
+        autocast = (
+            torch.autocast("cpu", dtype=self.autocast_dtype) if self.autocast_dtype else contextlib.nullcontext()
+        )
+        with autocast:
+            loss = loss_fn(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.last_loss = loss.item()
+
+
+def _shard_kwargs(name: str, variant: Variant) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    if variant.no_reshard:
+        kwargs["reshard_after_forward"] = False
+    if variant.bf16:
+        policy = fc.MixedPrecisionPolicy if name == "fsdp_compose" else TorchMixedPrecisionPolicy
+        kwargs["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return kwargs
+
+
+def _shard(model: GPT, name: str, variant: Variant, mesh: DeviceMesh) -> nn.Module:
+    """The torchtitan recipe: every block, then the root."""
+    shard_fn: Callable[..., Any] = fc.fully_shard if name == "fsdp_compose" else torch_fully_shard
+    kwargs = _shard_kwargs(name, variant)
+    for block in model.blocks:
+        shard_fn(block, mesh=mesh, **kwargs)
+    shard_fn(model, mesh=mesh, **kwargs)
+    return model
+
+
+def build(name: str, variant: Variant, args: BenchArgs, mesh: DeviceMesh) -> Impl:
+    torch.manual_seed(args.seed)
+    model = GPT(args.gpt_config())
+    if variant.frozen:
+        for block in model.blocks[:-1]:
+            block.requires_grad_(False)
+    wrapped = DistributedDataParallel(model) if name == "ddp" else _shard(model, name, variant, mesh)
+    opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-3)
+    autocast = torch.bfloat16 if name == "ddp" and variant.bf16 else None
+    return Impl(name, wrapped, opt, autocast)
+
+
+def local_batch(args: BenchArgs, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``--batch`` rows of a global batch of ``batch * nproc`` rows (the same on every rank)."""
+    x, y = synthetic_batch(args.gpt_config(), args.batch * args.nproc, step, seed=args.seed)
+    rank = dist.get_rank()
+    return x.chunk(args.nproc)[rank], y.chunk(args.nproc)[rank]
+
+
+def build_or_skip(name: str, variant: Variant, args: BenchArgs, mesh: DeviceMesh) -> Impl | str:
+    """The implementation after one warm-up step, or the reason it is not available ('n/a' in the table)."""
+    try:
+        impl = build(name, variant, args, mesh)
+        impl.step(*local_batch(args, 0))
+    except NotImplementedError as exc:
+        return f"NotImplementedError: {exc}"
+    return impl
+
+
+# ---------------------------------------------------------------------- measurements
+def timed_step(impl: Impl, x: torch.Tensor, y: torch.Tensor) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    impl.step(x, y)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def time_interleaved(impls: dict[str, Impl], args: BenchArgs) -> dict[str, list[float]]:
+    """Seconds per step of each implementation, A, B, C, A, B, C, ...; warm-up rounds dropped."""
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for step in range(1, args.steps + 1):
+        x, y = local_batch(args, step)
+        for name, impl in impls.items():
+            times[name].append(timed_step(impl, x, y))
+    return {name: values[args.warmup :] for name, values in times.items()}
+
+
+def count_collectives(impl: Impl, args: BenchArgs) -> dict[str, Any]:
+    with CollectiveCounter() as counter:
+        impl.step(*local_batch(args, args.steps + 1))
+    return {"bytes": counter.total_bytes, "by_kind": dict(counter.bytes), "calls": dict(counter.calls)}
+
+
+def _rank_max(values: list[int]) -> list[int]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
+def measure_memory(name: str, variant: Variant, args: BenchArgs, mesh: DeviceMesh) -> dict[str, int] | str:
+    """Peak live bytes of one step with only this implementation alive (max over ranks)."""
+    snapshot = live_storage_keys()
+    impl = build_or_skip(name, variant, args, mesh)
+    if isinstance(impl, str):
+        return impl
+    x, y = local_batch(args, 1)
+    counter = LiveBytesCounter()
+    counter.register(tensors_since(snapshot))
+    dist.barrier()
+    with counter:
+        impl.step(x, y)
+    counter.close()
+    peak, baseline, hidden = _rank_max([counter.peak_bytes, counter.baseline_bytes, counter.hidden_bytes])
+    del impl, snapshot, x, y
+    gc.collect()
+    return {"peak": peak, "baseline": baseline, "hidden": hidden}
+
+
+def unit_specs(args: BenchArgs, variant: Variant) -> list[UnitSpec]:
+    """The units the recipe creates (each block, then the root's remaining parameters)."""
+    with torch.device("meta"):
+        model = GPT(args.gpt_config())
+    block_ids = {id(p) for p in model.blocks.parameters()}
+    last = len(model.blocks) - 1
+    units = [
+        UnitSpec(tuple(block.parameters()), not variant.no_reshard, not variant.frozen or i == last)
+        for i, block in enumerate(model.blocks)
+    ]
+    root = tuple(p for p in model.parameters() if id(p) not in block_ids)
+    units.append(UnitSpec(root, reshard_after_forward=False, trainable=True))  # the root keeps its parameters
+    return units
+
+
+def grad_bytes(args: BenchArgs, variant: Variant) -> int:
+    """DDP's all-reduce payload per step: the fp32 trainable gradients (not hooked, computed)."""
+    units = unit_specs(args, variant)
+    return sum(p.numel() * 4 for unit in units if unit.trainable for p in unit.params)
+
+
+# ---------------------------------------------------------------------- one configuration
+def run_config(variant: Variant, args: BenchArgs, mesh: DeviceMesh) -> dict[str, Any]:
+    result: dict[str, Any] = {"config": variant.name, "na": {}, "memory": {}, "collectives": {}}
+    impls: dict[str, Impl] = {}
+    for name in IMPLS:
+        built = build_or_skip(name, variant, args, mesh)
+        if isinstance(built, str):
+            result["na"][name] = built
+        else:
+            impls[name] = built
+    result["times"] = time_interleaved(impls, args)
+    result["loss"] = {name: impl.last_loss for name, impl in impls.items()}
+    for name in ("fsdp_compose", "torch_fsdp2"):
+        if name in impls:
+            result["collectives"][name] = count_collectives(impls[name], args)
+    param_dtype = torch.bfloat16 if variant.bf16 else torch.float32
+    result["collectives"]["min"] = min_collective_bytes(
+        unit_specs(args, variant), args.nproc, param_dtype, torch.float32
+    )
+    result["collectives"]["ddp_allreduce"] = grad_bytes(args, variant)
+    del impls
+    gc.collect()
+    if args.memory:
+        for name in IMPLS:
+            if name not in result["na"]:
+                result["memory"][name] = measure_memory(name, variant, args, mesh)
+    return result
+
+
+def worker(rank: int, args: BenchArgs, store_path: str, result_path: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, args.nproc)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.nproc)
+    try:
+        mesh = init_device_mesh("cpu", (args.nproc,))
+        results = []
+        for name in args.configs:
+            results.append(run_config(VARIANTS[name], args, mesh))
+            if rank == 0:
+                print(f"[bench] config {name} done", flush=True)
+        if rank == 0:
+            Path(result_path).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- entry point
+def parse_args(argv: list[str] | None = None) -> tuple[BenchArgs, str | None]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2, help="gloo ranks to spawn")
+    parser.add_argument("--configs", nargs="+", default=["fp32"], choices=sorted(VARIANTS))
+    parser.add_argument("--steps", type=int, default=20, help="timed rounds (each runs every implementation once)")
+    parser.add_argument("--warmup", type=int, default=3, help="rounds dropped from the statistics")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-memory", action="store_true", help="skip the live-bytes measurement")
+    parser.add_argument("--write", metavar="PATH", help="replace the bench section of this markdown file")
+    ns = parser.parse_args(argv)
+    if ns.steps <= ns.warmup:
+        parser.error("--steps must be larger than --warmup")
+    if ns.dim % ns.heads:
+        parser.error("--dim must be divisible by --heads")
+    fields = {k: v for k, v in vars(ns).items() if k not in ("write", "no_memory", "configs")}
+    bench = BenchArgs(configs=tuple(dict.fromkeys(ns.configs)), memory=not ns.no_memory, **fields)
+    return bench, ns.write
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, write_path = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path, result_path = str(Path(tmp) / "store"), str(Path(tmp) / "results.json")
+        start = time.perf_counter()
+        mp.spawn(worker, args=(args, store_path, result_path), nprocs=args.nproc, join=True)
+        results = json.loads(Path(result_path).read_text())
+    elapsed = time.perf_counter() - start
+    command = "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    tables = render_tables(results, args, command, elapsed)
+    print(tables)
+    if write_path:
+        target = Path(write_path) if Path(write_path).is_absolute() else REPO / write_path
+        write_section(target, tables)
+        print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()

@@ -53,7 +53,8 @@ def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The untyped storages holding ``tensor``'s data: its own, or its inner tensors' for a wrapper subclass."""
     if is_traceable_wrapper_subclass(tensor):
         attrs, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-        return [st for attr in attrs for st in storages_of(getattr(tensor, attr))]
+        inner = (getattr(tensor, attr) for attr in attrs)
+        return [st for t in inner if isinstance(t, torch.Tensor) for st in storages_of(t)]
     if tensor.is_meta or tensor.layout != torch.strided:
         return []
     try:

@@ -211,16 +211,20 @@ class ShardState:
         if self.forward_pending:
             return None
         self.training_state = TrainingState.IDLE
-        grad_enabled = torch.is_grad_enabled()
-        if not grad_enabled or self.reshard_after_forward:
-            self.unit.reshard()
         output_dtype = self.mp_policy.output_dtype
         if output_dtype is not None:
             output = tree_map(lambda v: _cast_floating(v, output_dtype), output)
-        if grad_enabled:
-            for leaf in tree_flatten(output)[0]:
-                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                    leaf.register_hook(self._pre_backward)
+        # Outputs that need no gradient (no_grad, or a method that disables grad inside) mean no backward will
+        # come through this unit: reshard even where reshard_after_forward says keep (the root, by default).
+        grad_outputs = [
+            leaf
+            for leaf in tree_flatten(output)[0]
+            if torch.is_grad_enabled() and isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        ]
+        if not grad_outputs or self.reshard_after_forward:
+            self.unit.reshard()
+        for leaf in grad_outputs:
+            leaf.register_hook(self._pre_backward)
         return output
 
     # ------------------------------------------------------------------ backward

@@ -1,0 +1,1 @@
+"""Benchmarks: fsdp_compose vs torch FSDP2 vs DDP (see README.md)."""

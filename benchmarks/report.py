@@ -1,0 +1,147 @@
+"""Markdown tables from the benchmark results, and the marked section of docs/benchmarks.md they replace."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["END_MARKER", "START_MARKER", "render_tables", "write_section"]
+
+START_MARKER = "<!-- bench:start -->"
+END_MARKER = "<!-- bench:end -->"
+NA = "n/a"
+MIB = 2**20
+
+
+def _ms(values: list[float]) -> str:
+    return f"{1000 * statistics.median(values):.1f}" if values else NA
+
+
+def _ratio(num: list[float] | None, den: list[float] | None) -> str:
+    if not num or not den:
+        return NA
+    return f"{statistics.median(a / b for a, b in zip(num, den)):.2f}"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    align = ["---"] + ["---:"] * (len(header) - 1)
+    return "\n".join([_row(header), _row(align), *(_row(r) for r in rows)])
+
+
+def _time_row(res: dict[str, Any]) -> list[str]:
+    times: dict[str, list[float]] = res["times"]
+    fc, fsdp2, ddp = (times.get(name) for name in ("fsdp_compose", "torch_fsdp2", "ddp"))
+    losses = " / ".join(f"{res['loss'][n]:.4f}" if n in res["loss"] else NA for n in ("fsdp_compose", "torch_fsdp2", "ddp"))
+    return [
+        res["config"],
+        *(_ms(t) if t else NA for t in (fc, fsdp2, ddp)),
+        _ratio(fc, fsdp2),
+        _ratio(fc, ddp),
+        losses,
+    ]
+
+
+def _mem_cell(entry: dict[str, int] | str | None) -> str:
+    if not isinstance(entry, dict):
+        return NA
+    return f"{entry['peak'] / MIB:.2f} ({entry['baseline'] / MIB:.2f})"
+
+
+def _memory_row(res: dict[str, Any]) -> list[str]:
+    mem = res["memory"]
+    fc, fsdp2 = mem.get("fsdp_compose"), mem.get("torch_fsdp2")
+    ratio = f"{fc['peak'] / fsdp2['peak']:.2f}" if isinstance(fc, dict) and isinstance(fsdp2, dict) else NA
+    ddp = mem.get("ddp")
+    hidden = f"{ddp['hidden'] / MIB:.2f}" if isinstance(ddp, dict) else NA
+    return [res["config"], _mem_cell(fc), _mem_cell(fsdp2), _mem_cell(ddp), ratio, hidden]
+
+
+def _comm_row(res: dict[str, Any]) -> list[str]:
+    coll = res["collectives"]
+    fc, fsdp2, minimum = coll.get("fsdp_compose"), coll.get("torch_fsdp2"), coll["min"]
+
+    def mib(entry: dict[str, Any] | None) -> str:
+        return f"{entry['bytes'] / MIB:.3f}" if entry else NA
+
+    ratio = f"{fc['bytes'] / minimum:.3f}" if fc and minimum else NA
+    calls = " / ".join(f"{k} {v}" for k, v in sorted(fc["calls"].items())) if fc else NA
+    return [res["config"], mib(fc), mib(fsdp2), f"{minimum / MIB:.3f}", ratio, calls, f"{coll['ddp_allreduce'] / MIB:.3f}"]
+
+
+def _header(args: Any, command: str, elapsed: float) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"Command: `{command}`\n\n"
+        f"Date: {now}; torch {torch.__version__}; Python {platform.python_version()} on {platform.machine()}; "
+        f"{args.nproc} gloo CPU ranks x 1 torch thread; wall time {elapsed:.0f} s.\n\n"
+        f"Model: examples/gpt_model.py GPT, dim={args.dim} layers={args.layers} heads={args.heads} seq={args.seq} "
+        f"vocab={args.vocab}; batch {args.batch} sequences per rank; AdamW(lr=1e-3); seed {args.seed}. "
+        f"Configs: {', '.join(args.configs)}. Timing: {args.steps} interleaved rounds, first {args.warmup} dropped."
+    )
+
+
+def _notes(results: list[dict[str, Any]]) -> str:
+    lines = []
+    for res in results:
+        for name, reason in res["na"].items():
+            lines.append(f"- {res['config']} / {name}: n/a — {reason}")
+    return "\n".join(lines)
+
+
+def render_tables(results: list[dict[str, Any]], args: Any, command: str, elapsed: float) -> str:
+    """The whole report: header, step time, memory, communication, n/a reasons."""
+    time_table = _table(
+        ["config", "fsdp_compose ms", "torch FSDP2 ms", "DDP ms", "fc / FSDP2", "fc / DDP", "final loss fc / FSDP2 / DDP"],
+        [_time_row(r) for r in results],
+    )
+    parts = [
+        _header(args, command, elapsed),
+        "**Step time** — median ms per step; ratios are medians of per-round ratios (< 1: fsdp_compose faster).",
+        time_table,
+    ]
+    if args.memory:
+        parts += [
+            "**Peak live tensor MiB** in one non-timed step, each implementation alone, max over ranks; "
+            "start-of-step MiB (parameters, optimizer state, persistent buffers) in brackets. "
+            "DDP hidden = C++ gradient buckets (no Python object), counted from the start.",
+            _table(
+                ["config", "fsdp_compose", "torch FSDP2", "DDP", "fc / FSDP2 peak", "DDP hidden"],
+                [_memory_row(r) for r in results],
+            ),
+        ]
+    parts += [
+        "**Collective MiB per step per rank** (all-gather output + reduce-scatter input + all-reduce tensor). "
+        "Minimum: all-gather of the padded parameters in forward, again in backward for resharded units "
+        "(not the root), reduce-scatter of the padded trainable parameters. DDP: all-reduced gradient bytes, "
+        "computed (its C++ reducer is not hooked); a ring all-reduce moves about twice that.",
+        _table(
+            ["config", "fsdp_compose", "torch FSDP2", "minimum", "fc / minimum", "fc calls", "DDP all-reduce"],
+            [_comm_row(r) for r in results],
+        ),
+    ]
+    notes = _notes(results)
+    if notes:
+        parts.append(notes)
+    return "\n\n".join(parts) + "\n"
+
+
+def write_section(path: Path, body: str) -> None:
+    """Replace the text between the bench markers in ``path`` (appended, or a new file, when absent)."""
+    section = f"{START_MARKER}\n{body}{END_MARKER}"
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nSee benchmarks/README.md for what is measured.\n"
+    start, end = text.find(START_MARKER), text.find(END_MARKER)
+    if start != -1 and end > start:
+        text = text[:start] + section + text[end + len(END_MARKER) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

@@ -1,0 +1,153 @@
+"""Bad input: a clear error that names the module/parameter and the fix, before any collective, model untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import fsdp_compose as fc
+from examples.gpt_model import GPT, GPTConfig
+from tests.dist_utils import mesh_1d
+
+
+def _snapshot(model: nn.Module) -> list[tuple[str, int, type]]:
+    return [(n, id(p), type(p)) for n, p in model.named_parameters()]
+
+
+def _assert_untouched(model: nn.Module, before: list[tuple[str, int, type]]) -> None:
+    assert _snapshot(model) == before
+    assert not any(fc.is_fully_sharded(m) for m in model.modules())
+
+
+def _expect(exc: type[Exception], match: str, fn, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(exc, match=match):
+        fn(*args, **kwargs)
+
+
+def _errors_at_shard_time(rank: int, ws: int) -> None:
+    mesh = mesh_1d(ws)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    before = _snapshot(model)
+
+    _expect(TypeError, "DeviceMesh", fc.fully_shard, model, mesh="not a mesh")
+    _assert_untouched(model, before)
+    mesh_2d = init_device_mesh("cpu", (1, ws), mesh_dim_names=("replicate", "shard"))
+    _expect(ValueError, "1-D mesh", fc.fully_shard, model, mesh=mesh_2d)
+    _assert_untouched(model, before)
+    _expect(TypeError, "nn.Module", fc.fully_shard, [model, "x"], mesh=mesh)
+    _expect(TypeError, "MixedPrecisionPolicy", fc.fully_shard, model, mesh=mesh, mp_policy=torch.bfloat16)
+    _expect(ValueError, "frozen_params", fc.fully_shard, model, mesh=mesh, frozen_params="freeze")
+    _expect(TypeError, "floating-point torch.dtype", fc.MixedPrecisionPolicy, param_dtype=torch.int8)
+    _assert_untouched(model, before)
+
+    # parameters on different devices (one left on meta)
+    with torch.device("meta"):
+        model[1].weight = nn.Parameter(torch.empty(2, 4))
+    before = _snapshot(model)
+    _expect(ValueError, r"different devices.*'1.weight' on meta", fc.fully_shard, model, mesh=mesh)
+    _assert_untouched(model, before)
+
+    # different dtypes inside one unit
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).double())
+    before = _snapshot(mixed)
+    _expect(ValueError, r"different dtypes.*'1.weight': torch.float64", fc.fully_shard, mixed, mesh=mesh)
+    _assert_untouched(mixed, before)
+
+    # an integer parameter cannot be sharded; ignoring it works
+    counted = nn.Linear(4, 4)
+    counted.steps = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    before = _snapshot(counted)
+    _expect(TypeError, "'steps'.*ignored_params", fc.fully_shard, counted, mesh=mesh)
+    _assert_untouched(counted, before)
+    fc.fully_shard(counted, mesh=mesh, ignored_params={counted.steps})
+    assert not isinstance(counted.steps, DTensor)
+
+    # a DTensor parameter (tensor parallel) is not composed yet
+    tp_like = nn.Linear(4, 4)
+    tp_like.weight = nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
+    before = _snapshot(tp_like)
+    _expect(NotImplementedError, "'weight'.*already a DTensor", fc.fully_shard, tp_like, mesh=mesh)
+    _assert_untouched(tp_like, before)
+
+
+def _errors_from_nesting(rank: int, ws: int) -> None:
+    mesh = mesh_1d(ws)
+    model = GPT(GPTConfig())
+    fc.fully_shard(model.blocks[0], mesh=mesh)
+    _expect(ValueError, "already called on this Block", fc.fully_shard, model.blocks[0], mesh=mesh)
+    _expect(ValueError, "same module twice", fc.fully_shard, [model.blocks[1], model.blocks[1]], mesh=mesh)
+    fc.fully_shard(model, mesh=mesh)
+    # a child sharded after its parent: a clear error, the child keeps the parent's parameters
+    params_before = [id(p) for p in model.blocks[1].parameters()]
+    _expect(ValueError, r"'ln1.weight' is already sharded by the fully_shard call on GPT.*bottom-up",
+            fc.fully_shard, model.blocks[1], mesh=mesh)
+    assert not fc.is_fully_sharded(model.blocks[1])
+    assert [id(p) for p in model.blocks[1].parameters()] == params_before
+
+
+def _errors_from_ties(rank: int, ws: int) -> None:
+    mesh = mesh_1d(ws)
+    model = GPT(GPTConfig())
+    model.head.weight = model.tok_emb.weight  # tied in one unit: fine
+    fc.fully_shard(model, mesh=mesh)
+    assert model.head.weight is model.tok_emb.weight
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    tied = Tied()
+    fc.fully_shard(tied.emb, mesh=mesh)
+    before = [(n, id(p)) for n, p in tied.head.named_parameters()]
+    _expect(ValueError, r"'head.weight' of Tied is tied to a parameter that fully_shard on Embedding", fc.fully_shard,
+            tied, mesh=mesh)
+    assert [(n, id(p)) for n, p in tied.head.named_parameters()] == before and not fc.is_fully_sharded(tied)
+
+
+def _meta_params_at_first_forward(rank: int, ws: int) -> str:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fc.fully_shard(model[0], mesh=mesh_1d(ws))
+    fc.fully_shard(model, mesh=mesh_1d(ws))
+    with pytest.raises(RuntimeError, match=r"'1.weight' of the unit rooted at Sequential is still on the meta device.*to_empty") as info:
+        model(torch.randn(2, 4))
+    assert all(p.is_meta for p in model.parameters())
+    return str(info.value)
+
+
+def _functions_need_a_sharded_module(rank: int, ws: int) -> None:
+    plain = nn.Linear(2, 2)
+    _expect(ValueError, "not sharded; call fc.fully_shard", fc.unshard, plain)
+    _expect(ValueError, "no module under this Linear is sharded", fc.set_requires_gradient_sync, plain, False)
+    sharded = fc.fully_shard(nn.Linear(2, 2), mesh=mesh_1d(ws))
+    _expect(ValueError, "no method 'generate'", fc.register_forward_method, sharded, "generate")
+    _expect(ValueError, "positive", fc.set_gradient_divide_factor, sharded, 0.0)
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_errors_at_shard_time(run_dist, ws: int) -> None:
+    run_dist(ws, _errors_at_shard_time)
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_errors_from_nesting_and_ties(run_dist, ws: int) -> None:
+    run_dist(ws, _errors_from_nesting)
+    run_dist(ws, _errors_from_ties)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_meta_parameters_at_first_forward_fail_on_every_rank_before_a_collective(run_dist, ws: int) -> None:
+    """Every rank raises the same error (none is left waiting in a collective: the pool would time out)."""
+    messages = run_dist(ws, _meta_params_at_first_forward)
+    assert len(set(messages)) == 1
+
+
+@pytest.mark.parametrize("ws", [1])
+def test_functions_need_a_sharded_module(run_dist, ws: int) -> None:
+    run_dist(ws, _functions_need_a_sharded_module)

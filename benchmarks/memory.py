@@ -26,11 +26,15 @@ What is and isn't counted:
 - counted: every storage an op returns (forward activations, autograd-saved tensors, gradients, all-gather output
   buffers allocated with ``torch.empty``, reduce-scatter buffers, optimizer temporaries), resizes of tracked storages,
   and the inner tensors of tensor subclasses (a ``DTensor``'s local tensor, via ``__tensor_flatten__``);
-- a storage first seen as an op *input* that was never registered must have existed before the step without a Python
-  object (e.g. DDP's C++ gradient buckets): it is counted as alive from the start at its current size (added to the
-  baseline and the running peak) and reported separately as ``hidden_bytes``;
-- not counted: temporaries that live and die inside one op (e.g. inside a gloo collective or inside a DTensor op's
-  own dispatch, where this mode is not active), allocator overhead and fragmentation, and non-tensor memory.
+- a storage first seen as an op *input* that was never registered is counted from then on (until it is freed) and
+  its bytes are added up in ``late_bytes``. Under gloo these are the temporaries a collective allocates in its worker
+  thread and touches again in ``work.wait()`` on the calling thread (a reduce-scatter's flattened copy of its input):
+  real memory, counted the same for every implementation that reduce-scatters;
+- not seen at all: storages that only C++ code touches outside the dispatcher or in threads without this mode, notably
+  DDP's gradient buckets (allocated at construction, filled by its C++ reducer: ``run.py`` adds their computed size
+  to DDP's figures);
+- not counted either: temporaries that live and die inside one op (e.g. inside a gloo collective or inside a DTensor
+  op's own dispatch, where this mode is not active), allocator overhead and fragmentation, and non-tensor memory.
   Collectives that return tensors through the dispatcher (``c10d`` ops) are seen like any op, and their outputs
   are buffers already allocated by an earlier op, so nothing is double counted.
 """
@@ -99,7 +103,7 @@ class LiveBytesCounter(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         self.baseline_bytes = 0
-        self.hidden_bytes = 0
+        self.late_bytes = 0
         self.ops = 0
 
     # ------------------------------------------------------------------ tracking
@@ -153,10 +157,7 @@ class LiveBytesCounter(TorchDispatchMode):
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor):
                 for st in storages_of(leaf):
-                    hidden = self._track(st)  # never registered and not made by an op: alive since the start
-                    self.hidden_bytes += hidden
-                    self.baseline_bytes += hidden
-                    self.peak_bytes += hidden
+                    self.late_bytes += self._track(st)  # made where this mode could not see it
         out = func(*args, **kwargs)
         self.ops += 1
         self._refresh_sizes()

@@ -106,7 +106,17 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def synthetic_batch(cfg: GPTConfig, batch_size: int, step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic global batch of token ids for ``step`` (same on every rank): inputs and next-token targets."""
-    gen = torch.Generator().manual_seed(seed * 100_003 + step)
-    tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=gen)
+    """A deterministic global batch for ``step`` (the same on every rank): inputs and next-token targets.
+
+    Tokens follow a fixed random successor table (shared by all steps) with 10% noise, so there is something to
+    learn and the loss visibly falls.
+    """
+    successor = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed * 100_003 + step + 1)
+    tokens = torch.empty(batch_size, cfg.seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, cfg.vocab_size, (batch_size,), generator=gen)
+    for t in range(cfg.seq_len):
+        noise = torch.randint(0, cfg.vocab_size, (batch_size,), generator=gen)
+        keep = torch.rand(batch_size, generator=gen) >= 0.1
+        tokens[:, t + 1] = torch.where(keep, successor[tokens[:, t]], noise)
     return tokens[:, :-1], tokens[:, 1:]

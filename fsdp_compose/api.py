@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal, Protocol, TypeVar, overload
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,19 +34,13 @@ __all__ = [
     "unshard",
 ]
 
-ModuleT = TypeVar("ModuleT", bound=nn.Module)
+ModuleOrList = TypeVar("ModuleOrList", nn.Module, list[nn.Module])
 
 _ParamEntry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
 
 
-@overload
-def fully_shard(module: ModuleT, **kwargs: Any) -> ModuleT: ...
-@overload
-def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[nn.Module]: ...
-
-
 def fully_shard(
-    module: Any,
+    module: ModuleOrList,
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
@@ -57,7 +51,7 @@ def fully_shard(
     extensions: Any = None,
     frozen_params: Literal["shard", "replicate"] = "shard",
     auto_refresh_trainable: bool = True,
-) -> Any:
+) -> ModuleOrList:
     """Shard ``module``'s parameters over the data-parallel ranks of ``mesh`` and attach the hooks that gather them.
 
     The module keeps its class; its parameters become ``nn.Parameter(DTensor)`` with placement ``Shard(0)``, the
@@ -342,7 +336,7 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for state, value in zip(states, previous):
+        for state, value in zip(states, previous, strict=True):
             state.requires_gradient_sync = value
 
 

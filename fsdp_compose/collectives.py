@@ -7,7 +7,7 @@ happens once at import; nothing is patched.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -29,16 +29,16 @@ def all_gather_flat(
     output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
 ) -> Work | None:
     """Concatenate every rank's equally sized ``shard`` into ``output`` (rank-major)."""
-    return _all_gather(output, shard, group=group, async_op=async_op)
+    return cast("Work | None", _all_gather(output, shard, group=group, async_op=async_op))
 
 
 def reduce_scatter_flat(
     output: torch.Tensor, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
 ) -> Work | None:
     """Sum ``buffer`` over ranks and give rank ``r`` the ``r``-th equal slice in ``output``."""
-    return _reduce_scatter(output, buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return cast("Work | None", _reduce_scatter(output, buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Work | None:
     """Sum ``tensor`` over ranks in place."""
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return cast("Work | None", dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op))

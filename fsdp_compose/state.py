@@ -200,9 +200,10 @@ class ShardState:
         if not positions:
             return args, kwargs  # nothing to hook: the final callback finishes this unit
         wrapped = _PostBackward.apply(self, *(leaves[i] for i in positions))
-        for i, tensor in zip(positions, wrapped):
+        for i, tensor in zip(positions, wrapped, strict=True):
             leaves[i] = tensor
-        return tree_unflatten(leaves, spec)
+        new_args, new_kwargs = tree_unflatten(leaves, spec)
+        return new_args, new_kwargs
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD:

@@ -21,7 +21,7 @@ import enum
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ class ManagedParam:
 
     fqn: str
     owners: list[tuple[nn.Module, str]]
-    sharded: nn.Parameter  # nn.Parameter(DTensor)
+    sharded: DTensor  # an nn.Parameter holding a DTensor
     slot: int | None  # index into the unit's FlatLayout; None: a 0-dim parameter kept whole on every rank
     local: torch.Tensor | None = None  # the view into ``flat`` that ``sharded`` must hold; None: needs adopting
     full: nn.Parameter | None = None  # the unsharded parameter used by forward/backward
@@ -67,16 +67,16 @@ class ManagedParam:
 
 def _make_sharded_param(
     local: torch.Tensor, mesh: DeviceMesh, placement: Shard | Replicate, shape: torch.Size, requires_grad: bool
-) -> nn.Parameter:
+) -> DTensor:
     dtensor = DTensor.from_local(
         local, mesh, (placement,), run_check=False, shape=shape, stride=_contiguous_stride(shape)
     )
     param = nn.Parameter(dtensor, requires_grad=requires_grad)
     _install_copier(param)
-    return param
+    return cast(DTensor, param)
 
 
-def _install_copier(param: nn.Parameter) -> None:
+def _install_copier(param: torch.Tensor) -> None:
     # ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance first. torch's Tensor.__deepcopy__ takes a DTensor
     # whose local tensor is a view at a non-zero offset (ours: a slice of the flat buffer) for a plain tensor with
     # storage and fails, so each sharded parameter carries its own copier. It also keeps the mesh shared.
@@ -86,12 +86,12 @@ def _install_copier(param: nn.Parameter) -> None:
 class _ShardedParamCopier:
     """``copy.deepcopy`` of one sharded parameter: a DTensor parameter over a clone of its local shard (and grad)."""
 
-    def __init__(self, param: nn.Parameter) -> None:
+    def __init__(self, param: torch.Tensor) -> None:
         # A strong reference (a cycle the GC collects): a weakref would make torch.utils.swap_tensors, which
         # Module.to_empty uses on DTensor parameters, refuse the parameter.
         self._param = param
 
-    def __call__(self, memo: dict[int, Any]) -> nn.Parameter:
+    def __call__(self, memo: dict[int, Any]) -> DTensor:
         param = self._param
         assert isinstance(param, DTensor)
         placement = param.placements[0]
@@ -103,8 +103,12 @@ class _ShardedParamCopier:
         grad = param.grad
         if isinstance(grad, DTensor):
             new.grad = DTensor.from_local(
-                grad._local_tensor.clone(), grad.device_mesh, grad.placements, run_check=False,
-                shape=grad.shape, stride=grad.stride(),
+                grad._local_tensor.clone(),
+                grad.device_mesh,
+                grad.placements,
+                run_check=False,
+                shape=grad.shape,
+                stride=grad.stride(),
             )
         owner = getattr(param, OWNER_ATTR, None)
         if owner is not None:
@@ -150,9 +154,7 @@ class ShardedUnit:
         self.reduce_dtype = reduce_dtype or self.param_dtype
         self.layout = FlatLayout.build([p.shape for _, p, _ in sharded_specs], self.world_size)
         on_meta = any(p.is_meta for _, p, _ in params)
-        self.flat = torch.zeros(
-            self.layout.segment_numel, dtype=self.orig_dtype, device="meta" if on_meta else device
-        )
+        self.flat = torch.zeros(self.layout.segment_numel, dtype=self.orig_dtype, device="meta" if on_meta else device)
         self.params: list[ManagedParam] = []
         for index, (fqn, param, owners) in enumerate(sharded_specs):
             view = self.layout.shard_view(self.flat, index, self.rank)
@@ -174,7 +176,8 @@ class ShardedUnit:
         """Cheap per-step check (identity only) that every parameter is still ours and still a view into ``flat``."""
         for mp in self.params:
             module, name = mp.owners[0]
-            if module._parameters.get(name) is not mp.sharded or mp.sharded._local_tensor is not mp.local:
+            current: object = module._parameters.get(name)
+            if current is not mp.sharded or mp.sharded._local_tensor is not mp.local:
                 return False
         return True
 
@@ -202,7 +205,7 @@ class ShardedUnit:
         self.check_materialized()
         for mp in self.params:
             module, name = mp.owners[0]
-            current = module._parameters.get(name)
+            current: object = module._parameters.get(name)
             if current is not mp.sharded:
                 if not isinstance(current, DTensor) or current.shape != mp.sharded.shape:
                     raise ValueError(
@@ -211,7 +214,7 @@ class ShardedUnit:
                         "module needs DTensor parameters of the same global shape (use load_state_dict without "
                         "assign=True, or fc.load_full_state_dict)"
                     )
-                mp.sharded = current  # type: ignore[assignment]
+                mp.sharded = current
                 mp.register(current)
         self.flat = torch.zeros(self.layout.segment_numel, dtype=self.orig_dtype, device=self.device)
         for mp in self.params:
@@ -407,4 +410,4 @@ class ShardedUnit:
                 stride=_contiguous_stride(mp.sharded.shape),
             )
         else:
-            mp.sharded.grad._local_tensor.add_(rows)
+            cast(DTensor, mp.sharded.grad)._local_tensor.add_(rows)

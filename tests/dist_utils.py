@@ -88,7 +88,9 @@ def train_pair(
         opt.zero_grad()
         local_in = local_batch(inputs, rank, world_size)
         local_tg = local_batch(targets, rank, world_size)
-        for micro, (mi, mt) in enumerate(zip(local_in.chunk(micro_batches), local_tg.chunk(micro_batches))):
+        for micro, (mi, mt) in enumerate(
+            zip(local_in.chunk(micro_batches), local_tg.chunk(micro_batches), strict=True)
+        ):
             last = micro == micro_batches - 1
             ctx = fc.no_sync(model) if not last else _nullcontext()
             with ctx:

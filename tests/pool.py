@@ -16,8 +16,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 COLLECTIVE_TIMEOUT_S = 30
 TASK_TIMEOUT_S = 300
@@ -47,7 +48,7 @@ def _worker(rank: int, world_size: int, init_file: str, conn: Any, path: list[st
                 fn = getattr(fn, part)
             result = fn(rank, world_size, *args)
             conn.send(("ok", result))
-        except BaseException:  # noqa: BLE001 - every failure goes back to the test
+        except BaseException:
             conn.send(("error", traceback.format_exc()))
     dist.barrier()
     dist.destroy_process_group()
@@ -115,7 +116,9 @@ class WorkerPool:
             errors.append(f"timed out after {timeout:.0f} s waiting for ranks {sorted(pending)}")
         if errors:
             self.kill()
-            raise AssertionError(f"distributed test {fn.__qualname__} failed on {self.world_size} ranks:\n" + "\n".join(errors))
+            raise AssertionError(
+                f"distributed test {fn.__qualname__} failed on {self.world_size} ranks:\n" + "\n".join(errors)
+            )
         return results
 
     def kill(self) -> None:

@@ -75,7 +75,7 @@ def _deepcopy_independent(rank: int, ws: int) -> tuple[float, float, float]:
     assert type(teacher) is GPT and fc.is_fully_sharded(teacher) and fc.is_fully_sharded(teacher.blocks[0])
     assert fc.get_state(teacher) is not fc.get_state(model)
     assert fc.get_state(teacher.blocks[0]).modules[0] is teacher.blocks[0]
-    for p, q in zip(model.parameters(), teacher.parameters()):
+    for p, q in zip(model.parameters(), teacher.parameters(), strict=True):
         assert p is not q and torch.equal(p.to_local(), q.to_local())
     frozen_reference = copy.deepcopy(reference)
     teacher_reference = copy.deepcopy(reference)
@@ -147,8 +147,9 @@ def _special_params(rank: int, ws: int) -> tuple[float, bool]:
     assert isinstance(model.temperature, DTensor) and model.temperature.placements == (Replicate(),)
     assert not isinstance(model.side.weight, DTensor)
     opt = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("side")], lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD([p for n, p in reference.named_parameters() if not n.startswith("side")], lr=0.1,
-                              momentum=0.9)
+    ref_opt = torch.optim.SGD(
+        [p for n, p in reference.named_parameters() if not n.startswith("side")], lr=0.1, momentum=0.9
+    )
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
         x = torch.randn(8, 7, generator=gen)
@@ -164,8 +165,11 @@ def _special_params(rank: int, ws: int) -> tuple[float, bool]:
     local_grad = model.side.weight.grad
     ok_ignored = local_grad is not None and not isinstance(local_grad, DTensor)
     assert model.unused.weight.grad is None and reference.unused.weight.grad is None
-    diff = max((full_value(p.detach()) - dict(reference.named_parameters())[n].detach()).abs().max().item()
-               for n, p in model.named_parameters() if not n.startswith("side"))
+    diff = max(
+        (full_value(p.detach()) - dict(reference.named_parameters())[n].detach()).abs().max().item()
+        for n, p in model.named_parameters()
+        if not n.startswith("side")
+    )
     return diff, ok_ignored
 
 

@@ -82,8 +82,13 @@ def _errors_from_nesting(rank: int, ws: int) -> None:
     fc.fully_shard(model, mesh=mesh)
     # a child sharded after its parent: a clear error, the child keeps the parent's parameters
     params_before = [id(p) for p in model.blocks[1].parameters()]
-    _expect(ValueError, r"'ln1.weight' is already sharded by the fully_shard call on GPT.*bottom-up",
-            fc.fully_shard, model.blocks[1], mesh=mesh)
+    _expect(
+        ValueError,
+        r"'ln1.weight' is already sharded by the fully_shard call on GPT.*bottom-up",
+        fc.fully_shard,
+        model.blocks[1],
+        mesh=mesh,
+    )
     assert not fc.is_fully_sharded(model.blocks[1])
     assert [id(p) for p in model.blocks[1].parameters()] == params_before
 
@@ -105,8 +110,13 @@ def _errors_from_ties(rank: int, ws: int) -> None:
     tied = Tied()
     fc.fully_shard(tied.emb, mesh=mesh)
     before = [(n, id(p)) for n, p in tied.head.named_parameters()]
-    _expect(ValueError, r"'head.weight' of Tied is tied to a parameter that fully_shard on Embedding", fc.fully_shard,
-            tied, mesh=mesh)
+    _expect(
+        ValueError,
+        r"'head.weight' of Tied is tied to a parameter that fully_shard on Embedding",
+        fc.fully_shard,
+        tied,
+        mesh=mesh,
+    )
     assert [(n, id(p)) for n, p in tied.head.named_parameters()] == before and not fc.is_fully_sharded(tied)
 
 
@@ -115,7 +125,9 @@ def _meta_params_at_first_forward(rank: int, ws: int) -> str:
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fc.fully_shard(model[0], mesh=mesh_1d(ws))
     fc.fully_shard(model, mesh=mesh_1d(ws))
-    with pytest.raises(RuntimeError, match=r"'1.weight' of the unit rooted at Sequential is still on the meta device.*to_empty") as info:
+    with pytest.raises(
+        RuntimeError, match=r"'1.weight' of the unit rooted at Sequential is still on the meta device.*to_empty"
+    ) as info:
         model(torch.randn(2, 4))
     assert all(p.is_meta for p in model.parameters())
     return str(info.value)

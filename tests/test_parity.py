@@ -20,13 +20,29 @@ SGD_TOL = 1e-5
 ADAMW_TOL = 2e-3
 
 
-def _train(rank: int, ws: int, optimizer: str, shard_kwargs: dict[str, Any], cfg_kwargs: dict[str, Any],
-           micro_batches: int, batch_size: int) -> float:
+def _train(
+    rank: int,
+    ws: int,
+    optimizer: str,
+    shard_kwargs: dict[str, Any],
+    cfg_kwargs: dict[str, Any],
+    micro_batches: int,
+    batch_size: int,
+) -> float:
     cfg = GPTConfig(**cfg_kwargs)
     reference, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws), **shard_kwargs)
-    return train_pair(rank, ws, model, reference, cfg, steps=3, optimizer=optimizer,
-                      micro_batches=micro_batches, batch_size=batch_size)
+    return train_pair(
+        rank,
+        ws,
+        model,
+        reference,
+        cfg,
+        steps=3,
+        optimizer=optimizer,
+        micro_batches=micro_batches,
+        batch_size=batch_size,
+    )
 
 
 @pytest.mark.parametrize("ws", [1, 2, 4])

@@ -17,6 +17,11 @@ END_MARKER = "<!-- bench:end -->"
 NA = "n/a"
 MIB = 2**20
 IMPLS = ("fsdp_compose", "torch_fsdp2", "ddp")
+TIME_HEADER = ["config", "fsdp_compose ms", "torch FSDP2 ms", "DDP ms", "fc / FSDP2", "fc / DDP"]
+TIME_HEADER.append("final loss fc/FSDP2/DDP")
+MEMORY_HEADER = ["config", "fsdp_compose", "torch FSDP2", "DDP", "fc / FSDP2", "fc / DDP", "DDP buckets"]
+MEMORY_HEADER.append("ops fc/FSDP2/DDP")
+COMM_HEADER = ["config", "fsdp_compose", "torch FSDP2", "minimum", "fc / minimum", "fc calls", "DDP all-reduce"]
 
 
 def _ms(values: list[float]) -> str:
@@ -64,7 +69,8 @@ def _memory_row(res: dict[str, Any]) -> list[str]:
     ddp = mem.get("ddp")
     ddp_ratio = f"{fc['peak'] / ddp['peak']:.2f}" if isinstance(fc, dict) and isinstance(ddp, dict) else NA
     buckets = f"{ddp['added'] / MIB:.2f}" if isinstance(ddp, dict) else NA
-    return [res["config"], _mem_cell(fc), _mem_cell(fsdp2), _mem_cell(ddp), ratio, ddp_ratio, buckets]
+    ops = " / ".join(str(mem[n]["ops"]) if isinstance(mem.get(n), dict) else NA for n in IMPLS)
+    return [res["config"], _mem_cell(fc), _mem_cell(fsdp2), _mem_cell(ddp), ratio, ddp_ratio, buckets, ops]
 
 
 def _comm_row(res: dict[str, Any]) -> list[str]:
@@ -74,7 +80,7 @@ def _comm_row(res: dict[str, Any]) -> list[str]:
     def mib(entry: dict[str, Any] | None) -> str:
         return f"{entry['bytes'] / MIB:.3f}" if entry else NA
 
-    ratio = f"{fc['bytes'] / minimum:.3f}" if fc and minimum else NA
+    ratio = f"{fc['bytes'] / minimum:.4f}" if fc and minimum else NA
     calls = " / ".join(f"{k} {v}" for k, v in sorted(fc["calls"].items())) if fc else NA
     ddp = f"{coll['ddp_allreduce'] / MIB:.3f}"
     return [res["config"], mib(fc), mib(fsdp2), f"{minimum / MIB:.3f}", ratio, calls, ddp]
@@ -102,8 +108,7 @@ def _notes(results: list[dict[str, Any]]) -> str:
 
 def render_tables(results: list[dict[str, Any]], args: Any, command: str, elapsed: float) -> str:
     """The whole report: header, step time, memory, communication, n/a reasons."""
-    header = ["config", "fsdp_compose ms", "torch FSDP2 ms", "DDP ms", "fc / FSDP2", "fc / DDP"]
-    time_table = _table([*header, "final loss fc / FSDP2 / DDP"], [_time_row(r) for r in results])
+    time_table = _table(TIME_HEADER, [_time_row(r) for r in results])
     parts = [
         _header(args, command, elapsed),
         "**Step time** — median ms per step; ratios are medians of per-round ratios (< 1: fsdp_compose faster).",
@@ -113,9 +118,10 @@ def render_tables(results: list[dict[str, Any]], args: Any, command: str, elapse
         parts += [
             "**Peak live tensor MiB** in one non-timed step, each implementation alone, max over ranks; "
             "start-of-step MiB (parameters, optimizer state, persistent buffers) in brackets. "
-            "DDP includes its C++ gradient buckets (computed: the counter cannot see them), also listed alone.",
+            "DDP includes its C++ gradient buckets (computed: the counter cannot see them), also listed alone. "
+            "Ops: ATen ops per step as the dispatch mode sees them (a DTensor op counts once), rank 0.",
             _table(
-                ["config", "fsdp_compose", "torch FSDP2", "DDP", "fc / FSDP2 peak", "fc / DDP peak", "DDP buckets"],
+                MEMORY_HEADER,
                 [_memory_row(r) for r in results],
             ),
         ]
@@ -125,7 +131,7 @@ def render_tables(results: list[dict[str, Any]], args: Any, command: str, elapse
         "(not the root), reduce-scatter of the padded trainable parameters. DDP: all-reduced gradient bytes, "
         "computed (its C++ reducer is not hooked); a ring all-reduce moves about twice that.",
         _table(
-            ["config", "fsdp_compose", "torch FSDP2", "minimum", "fc / minimum", "fc calls", "DDP all-reduce"],
+            COMM_HEADER,
             [_comm_row(r) for r in results],
         ),
     ]

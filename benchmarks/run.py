@@ -209,7 +209,7 @@ def measure_memory(name: str, variant: Variant, args: BenchArgs, mesh: DeviceMes
     added = grad_bytes(args, variant) if name == "ddp" else 0
     del impl, snapshot, x, y
     gc.collect()
-    return {"peak": peak + added, "baseline": baseline + added, "late": late, "added": added}
+    return {"peak": peak + added, "baseline": baseline + added, "late": late, "added": added, "ops": counter.ops}
 
 
 def unit_specs(args: BenchArgs, variant: Variant) -> list[UnitSpec]:

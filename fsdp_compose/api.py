@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .state import STATE_ATTR, ShardState, states_under
+from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
 from .unit import OWNER_ATTR, ShardedUnit
 
 __all__ = [
@@ -27,6 +27,8 @@ __all__ = [
     "no_sync",
     "register_forward_method",
     "reshard",
+    "set_full_precision_in_eval",
+    "set_gradient_accumulation",
     "set_gradient_divide_factor",
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
@@ -364,6 +366,35 @@ def set_gradient_divide_factor(module: nn.Module, factor: float, *, recurse: boo
         raise ValueError(f"gradient divide factor must be positive, got {factor}")
     for state in _states(module, recurse):
         state.gradient_divide_factor = float(factor)
+
+
+def set_gradient_accumulation(module: nn.Module, mode: GradientAccumulation, *, recurse: bool = True) -> None:
+    """How no-sync micro-batches accumulate gradients.
+
+    - ``"unsharded"`` (default): full-size gradients accumulate locally in ``reduce_dtype`` directly in the
+      reduce-scatter layout; the synced micro-batch reduce-scatters that buffer in place. One reduce-scatter per
+      accumulation window; full-size gradient memory for the units that hold gradients.
+    - ``"sharded"`` (ZeRO-2 style): every micro-batch reduce-scatters and accumulates into the sharded ``.grad``
+      (original dtype, e.g. fp32). One reduce-scatter per micro-batch; only 1/world_size of the gradient memory.
+    """
+    if mode not in ("unsharded", "sharded"):
+        raise ValueError(f'gradient accumulation mode must be "unsharded" or "sharded", got {mode!r}')
+    for state in _states(module, recurse):
+        if state.unit.has_accumulated_grads() and state.gradient_accumulation != mode:
+            raise RuntimeError(
+                f"cannot switch gradient accumulation of {state.unit.owner_name} to {mode!r} while no-sync "
+                "gradients are pending; switch after a synced backward"
+            )
+        state.gradient_accumulation = mode
+
+
+def set_full_precision_in_eval(module: nn.Module, enabled: bool = True, *, recurse: bool = True) -> None:
+    """Run forwards of this module in the parameters' original dtype while it is in eval mode (``module.eval()``).
+
+    Per instance: other sharded modules in the process keep their mixed-precision policy in eval.
+    """
+    for state in _states(module, recurse):
+        state.full_precision_in_eval = enabled
 
 
 class _UnshardingMethod:

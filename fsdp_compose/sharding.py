@@ -27,10 +27,10 @@ __all__ = [
     "FlatLayout",
     "ParamSlot",
     "chunk_rows",
-    "copy_grad_into_segments",
     "copy_param_from_segments",
     "local_rows",
     "padded_rows",
+    "write_grad_into_segments",
 ]
 
 
@@ -124,12 +124,20 @@ def copy_param_from_segments(full: torch.Tensor, gathered: torch.Tensor, slot: P
         dst.copy_(src)
 
 
-def copy_grad_into_segments(grad: torch.Tensor, buffer: torch.Tensor, slot: ParamSlot) -> None:
-    """Write a full contiguous gradient into a ``(world_size, segment_numel)`` reduce-scatter input buffer.
+def write_grad_into_segments(
+    grad: torch.Tensor, buffer: torch.Tensor, slot: ParamSlot, *, accumulate: bool = False, scale: float = 1.0
+) -> None:
+    """Write (or add, with ``accumulate``) ``grad / scale`` into a ``(world_size, segment)`` reduce-scatter buffer.
 
-    Padding positions are left as they are: a reduce-scatter is elementwise, so whatever they hold stays in padding
-    positions of the output, which nobody reads.
+    The buffer may have a wider dtype than ``grad`` (fp32 accumulation of bf16 gradients): the cast happens in the
+    same pass. Padding positions are left as they are: a reduce-scatter is elementwise, so whatever they hold stays
+    in padding positions of the output, which nobody reads.
     """
     grad = grad if grad.is_contiguous() else grad.contiguous()
     for src, dst in _full_and_padded_blocks(grad, buffer, slot):
-        dst.copy_(src)
+        if accumulate:
+            dst.add_(src, alpha=1.0 / scale)
+        elif scale == 1.0:
+            dst.copy_(src)
+        else:
+            torch.div(src, scale, out=dst)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import enum
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -36,7 +36,9 @@ from .unit import ShardedUnit, UnitState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STATE_ATTR", "ShardState", "TrainingState", "states_under"]
+__all__ = ["STATE_ATTR", "GradientAccumulation", "ShardState", "TrainingState", "states_under"]
+
+GradientAccumulation = Literal["unsharded", "sharded"]
 
 # Name of the instance attribute holding the state. A constant name, not a registry: the state lives and dies with
 # the module (and is copied with it by copy.deepcopy).
@@ -103,6 +105,8 @@ class ShardState:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float | None = None
+        self.gradient_accumulation: GradientAccumulation = "unsharded"
+        self.full_precision_in_eval = False
         # Set at lazy init.
         self.root: ShardState | None = None
         self.root_states: list[ShardState] = []  # on the root only: every state under it, pre-order
@@ -110,6 +114,7 @@ class ShardState:
 
     def _reset_step(self) -> None:
         self.training_state = TrainingState.IDLE
+        self.full_precision_now = False
         self.forward_pending: set[int] = set()  # ids of this state's modules whose forward has not finished
         self.post_backward_pending = False
         self.reduced_this_backward = False
@@ -184,12 +189,14 @@ class ShardState:
             args, kwargs = self._root_pre_forward(args, kwargs)
         self.forward_pending = {id(m) for m in self.modules}
         self.training_state = TrainingState.FORWARD
-        if self.unit.is_unsharded and self.unit.is_stale():
-            self.unit.reshard()  # kept unsharded across an optimizer step: gather the new values
+        self.full_precision_now = self.full_precision_in_eval and not module.training
+        compute_dtype = self.unit.orig_dtype if self.full_precision_now else self.mp_policy.param_dtype
+        if self.unit.is_unsharded and (self.unit.is_stale() or self.unit.param_dtype != compute_dtype):
+            self.unit.reshard()  # kept unsharded across an optimizer step or a precision switch: gather again
+        self.unit.param_dtype = compute_dtype or self.unit.orig_dtype
         self.unit.unshard()
-        param_dtype = self.mp_policy.param_dtype
-        if param_dtype is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = tree_map(lambda v: _cast_floating(v, param_dtype), (args, kwargs))
+        if compute_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = tree_map(lambda v: _cast_floating(v, compute_dtype), (args, kwargs))
         if torch.is_grad_enabled():
             args, kwargs = self._wrap_inputs(args, kwargs)
         return args, kwargs
@@ -213,7 +220,7 @@ class ShardState:
             return None
         self.training_state = TrainingState.IDLE
         output_dtype = self.mp_policy.output_dtype
-        if output_dtype is not None:
+        if output_dtype is not None and not self.full_precision_now:
             output = tree_map(lambda v: _cast_floating(v, output_dtype), output)
         # Outputs that need no gradient (no_grad, or a method that disables grad inside) mean no backward will
         # come through this unit: reshard even where reshard_after_forward says keep (the root, by default).
@@ -229,6 +236,11 @@ class ShardState:
         return output
 
     # ------------------------------------------------------------------ backward
+    @property
+    def reduces_now(self) -> bool:
+        """Reduce in this backward: when syncing, and on every micro-batch in sharded accumulation mode."""
+        return self.requires_gradient_sync or self.gradient_accumulation == "sharded"
+
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
@@ -246,9 +258,12 @@ class ShardState:
             return
         self.post_backward_pending = False
         self.training_state = TrainingState.IDLE
-        if self.requires_gradient_sync and not self.reduced_this_backward:
-            self.unit.reduce_grads(self.gradient_divide_factor)
-            self.reduced_this_backward = True
+        if self.reduces_now:
+            if not self.reduced_this_backward:
+                self.unit.reduce_grads(self.gradient_divide_factor)
+                self.reduced_this_backward = True
+        else:
+            self.unit.accumulate_grads(self.gradient_divide_factor)
         if self.reshard_after_backward:
             self.unit.reshard()
 
@@ -261,7 +276,7 @@ class ShardState:
         for state in reversed(self.root_states):
             if state.post_backward_pending:
                 state.post_backward()
-            elif state.requires_gradient_sync and not state.reduced_this_backward and state.unit.has_trainable():
+            elif state.reduces_now and not state.reduced_this_backward and state.unit.has_trainable():
                 state.unit.reduce_grads(state.gradient_divide_factor)
             if state.reshard_after_backward and state.unit.state is not UnitState.SHARDED:
                 state.unit.reshard()

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .collectives import Work, all_gather_flat, reduce_scatter_flat
-from .sharding import FlatLayout, copy_grad_into_segments, copy_param_from_segments, local_rows
+from .sharding import FlatLayout, copy_param_from_segments, local_rows, write_grad_into_segments
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,10 @@ class ShardedUnit:
         self._pending_gather: tuple[Work | None, torch.Tensor] | None = None
         # The user's parameters this unit replaced (weakly held), so a parent's fully_shard can spot ties to them.
         self.original_params: list[weakref.ref[nn.Parameter]] = [weakref.ref(p) for _, p, _ in params]
+        # No-sync accumulation in the reduce-scatter layout (see accumulate_grads) and which parameters it is for.
+        self._accumulated: torch.Tensor | None = None
+        self._accumulated_for: list[int] = []
+        self._locally_seen: set[int] = set()  # parameters that had a gradient on this rank since the last reduce
 
         sharded_specs = [(fqn, p, owners) for fqn, p, owners in params if p.ndim > 0]
         replicated_specs = [(fqn, p, owners) for fqn, p, owners in params if p.ndim == 0]
@@ -256,6 +260,9 @@ class ShardedUnit:
         new.flat = torch.zeros(0, dtype=self.orig_dtype, device="meta")
         new.state = UnitState.SHARDED
         new._pending_gather = None
+        new._accumulated = None
+        new._accumulated_for = []
+        new._locally_seen = set()
         return new
 
     # ------------------------------------------------------------------ unshard / reshard
@@ -345,47 +352,123 @@ class ShardedUnit:
     def has_pending_full_grads(self) -> bool:
         return any(mp.full is not None and mp.full.grad is not None for mp in self.params)
 
-    def reduce_grads(self, divide_factor: float | None = None) -> None:
-        """Reduce-scatter the full gradients of trainable parameters into sharded ``.grad`` (averaged over ranks).
+    def _divide_factors(self, divide_factor: float | None) -> tuple[float, float]:
+        """(pre, post) divisors whose product is the divide factor (default: the data-parallel size).
 
-        Every rank issues exactly one reduce-scatter, also when it has no gradient for some parameters (an unused
-        branch): those contribute zeros. The buffer carries a tail that every rank writes into every segment — one
-        "had a gradient" flag per parameter and the gradients of 0-dim (replicated) parameters — so after the
-        reduce-scatter each rank knows which parameters got a gradient anywhere and holds the summed scalar gradients,
-        with no second collective.
+        fp16 sums of many ranks overflow and fp16 pre-divided values underflow, so for fp16 the factor is split:
+        pre-divide by the largest power of two not above its square root (exact in binary floating point), post-divide
+        by the rest. Other dtypes have fp32's range: one post-division is the most accurate.
         """
-        trainable = [mp for mp in self.params if mp.sharded.requires_grad]
-        if not trainable:
-            return
-        divisor = float(self.world_size if divide_factor is None else divide_factor)
+        total = float(self.world_size if divide_factor is None else divide_factor)
+        if self.reduce_dtype != torch.float16:
+            return 1.0, total
+        pre = 1.0
+        while (pre * 2.0) ** 2 <= total:
+            pre *= 2.0
+        return pre, total / pre
+
+    def _grad_tail(self, trainable: list[ManagedParam]) -> dict[int, int]:
+        return {id(mp): i for i, mp in enumerate(mp for mp in trainable if mp.slot is None)}
+
+    def _write_grads(self, buffer: torch.Tensor, trainable: list[ManagedParam], *, fresh: bool, pre: float) -> None:
+        """Move every trainable full gradient into ``buffer`` (copy when ``fresh``, else add) and free it.
+
+        ``buffer`` is ``(world_size, segment + tail)``: the reduce-scatter layout, plus a tail that every rank writes
+        into every segment — one "had a gradient" count per trainable parameter and the gradients of 0-dim
+        parameters — so the reduce-scatter also delivers those sums to every rank (no second collective).
+        """
         segment = self.layout.segment_numel
-        scalar_column = {id(mp): i for i, mp in enumerate(mp for mp in trainable if mp.slot is None)}
-        tail = len(trainable) + len(scalar_column)
-        buffer = torch.empty(self.world_size, segment + tail, dtype=self.reduce_dtype, device=self.device)
+        scalar_column = self._grad_tail(trainable)
         flags = buffer[:, segment : segment + len(trainable)]
         scalars = buffer[:, segment + len(trainable) :]
-        missing_locally = False
         for index, mp in enumerate(trainable):
             grad = mp.full.grad if mp.full is not None else None
-            missing_locally |= grad is None
+            if grad is not None:
+                self._locally_seen.add(id(mp))
             if mp.slot is None:
                 column = scalars[:, scalar_column[id(mp)]]
-                column.zero_() if grad is None else column.copy_(grad.reshape(1).expand(self.world_size))
+                if grad is None:
+                    column.zero_() if fresh else None
+                else:
+                    source = grad.reshape(1).expand(self.world_size)
+                    column.copy_(source).div_(pre) if fresh else column.add_(source, alpha=1.0 / pre)
             elif grad is None:
-                slot = self.layout.slots[mp.slot]
-                buffer[:, slot.offset : slot.offset + slot.numel].zero_()
+                if fresh:
+                    slot = self.layout.slots[mp.slot]
+                    buffer[:, slot.offset : slot.offset + slot.numel].zero_()
             else:
-                copy_grad_into_segments(grad, buffer, self.layout.slots[mp.slot])
-            flags[:, index].fill_(0.0 if grad is None else 1.0)
+                write_grad_into_segments(grad, buffer, self.layout.slots[mp.slot], accumulate=not fresh, scale=pre)
+            if fresh:
+                flags[:, index].fill_(0.0 if grad is None else 1.0)
+            elif grad is not None:
+                flags[:, index].add_(1.0)
             if mp.full is not None:
                 mp.full.grad = None
+
+    def _trainable(self) -> list[ManagedParam]:
+        return [mp for mp in self.params if mp.sharded.requires_grad]
+
+    def accumulate_grads(self, divide_factor: float | None = None) -> None:
+        """A no-sync micro-batch: add the full gradients into the unit's reduce-scatter buffer and free them.
+
+        The buffer (in ``reduce_dtype``, e.g. fp32 under bf16 compute) persists until the synced backward, which
+        adds its own gradients and reduce-scatters that same buffer in place: no second full-size buffer, no concat.
+        """
+        trainable = self._trainable()
+        if not trainable or not any(mp.full is not None and mp.full.grad is not None for mp in trainable):
+            return
+        pre, _ = self._divide_factors(divide_factor)
+        fresh = self._accumulated is None
+        if self._accumulated is None:
+            tail = len(trainable) + len(self._grad_tail(trainable))
+            self._accumulated = torch.empty(
+                self.world_size, self.layout.segment_numel + tail, dtype=self.reduce_dtype, device=self.device
+            )
+            self._accumulated_for = [id(mp) for mp in trainable]
+        elif self._accumulated_for != [id(mp) for mp in trainable]:
+            raise self._trainability_changed_error()
+        self._write_grads(self._accumulated, trainable, fresh=fresh, pre=pre)
+
+    def _trainability_changed_error(self) -> RuntimeError:
+        return RuntimeError(
+            f"requires_grad of parameters in the unit rooted at {self.owner_name} changed while gradients from "
+            "no-sync micro-batches are pending; finish the accumulation with a synced backward (or zero_grad) "
+            "before freezing or unfreezing parameters"
+        )
+
+    def has_accumulated_grads(self) -> bool:
+        return self._accumulated is not None
+
+    def reduce_grads(self, divide_factor: float | None = None) -> None:
+        """Reduce-scatter the trainable gradients (this backward's and any accumulated ones) into sharded ``.grad``.
+
+        Every rank issues exactly one reduce-scatter, also when it has no gradient for some parameters (an unused
+        branch): those contribute zeros. Gradients are averaged over ranks (or divided by ``divide_factor``).
+        """
+        trainable = self._trainable()
+        if not trainable:
+            return
+        pre, post = self._divide_factors(divide_factor)
+        segment = self.layout.segment_numel
+        scalar_column = self._grad_tail(trainable)
+        tail = len(trainable) + len(scalar_column)
+        buffer = self._accumulated
+        if buffer is not None and self._accumulated_for != [id(mp) for mp in trainable]:
+            raise self._trainability_changed_error()
+        if buffer is None:
+            buffer = torch.empty(self.world_size, segment + tail, dtype=self.reduce_dtype, device=self.device)
+        self._write_grads(buffer, trainable, fresh=self._accumulated is None, pre=pre)
+        self._accumulated = None
+        missing_locally = len(self._locally_seen) < len(trainable)
+        self._locally_seen = set()
         output = torch.empty(segment + tail, dtype=self.reduce_dtype, device=self.device)
         if self.world_size == 1:
             output.copy_(buffer.view(-1))
         else:
             reduce_scatter_flat(output, buffer.view(-1), self.group, async_op=False)
-        if divisor != 1.0:
-            output.div_(divisor)
+        del buffer
+        if post != 1.0:
+            output.div_(post)
         # Reading the flags costs a device sync, so only a rank that lacked a gradient itself reads them.
         had_grad = (output[segment : segment + len(trainable)] > 0).tolist() if missing_locally else None
         for index, mp in enumerate(trainable):

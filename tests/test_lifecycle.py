@@ -93,15 +93,17 @@ def _no_sync_keeps_full_grads(rank: int, ws: int) -> None:
         assert not fc.get_state(model.blocks[0]).requires_gradient_sync
         loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
     assert fc.get_state(model.blocks[0]).requires_gradient_sync
+    units = [fc.get_state(m).unit for m in [model, *model.blocks]]
     assert all(p.grad is None for p in model.parameters())
-    assert all(fc.get_state(m).unit.has_pending_full_grads() for m in [model, *model.blocks])
+    # the micro-batch's gradients moved into each unit's reduce-scatter buffer; no full-size .grad is left
+    assert all(u.has_accumulated_grads() and not u.has_pending_full_grads() for u in units)
     loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
     assert all(isinstance(p.grad, DTensor) for p in model.parameters())
-    assert not any(fc.get_state(m).unit.has_pending_full_grads() for m in [model, *model.blocks])
+    assert not any(u.has_accumulated_grads() or u.has_pending_full_grads() for u in units)
 
 
 @pytest.mark.parametrize("ws", [2])
-def test_no_sync_keeps_full_gradients_until_the_synced_backward(run_dist, ws: int) -> None:
+def test_no_sync_accumulates_in_the_reduce_scatter_buffer_until_the_synced_backward(run_dist, ws: int) -> None:
     run_dist(ws, _no_sync_keeps_full_grads)
 
 

@@ -16,10 +16,12 @@ collectives``, used by DTensor redistribution; none run in a plain training step
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,8 +53,13 @@ def _tensor_arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, names
 
 @dataclass
 class CollectiveCounter:
-    """Counts bytes and calls per collective kind while active."""
+    """Counts bytes and calls per collective kind while active.
 
+    ``scope``, when given, is entered around every counted collective call and every ``Work.wait()`` (where an
+    asynchronous collective finishes): the memory counter uses it to tell a collective's own temporaries apart.
+    """
+
+    scope: Callable[[], AbstractContextManager[Any]] | None = None
     bytes: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     _depth: int = 0
@@ -61,6 +68,9 @@ class CollectiveCounter:
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
+
+    def _scoped(self) -> AbstractContextManager[Any]:
+        return self.scope() if self.scope is not None else contextlib.nullcontext()
 
     def _wrap(self, original: Callable[..., Any], kind: str, index: int, names: tuple[str, ...]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -71,14 +81,25 @@ class CollectiveCounter:
                 self.calls[kind] = self.calls.get(kind, 0) + 1
             self._depth += 1
             try:
-                return original(*args, **kwargs)
+                with self._scoped():
+                    return original(*args, **kwargs)
             finally:
                 self._depth -= 1
 
         return counting
 
+    def _wrap_wait(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            with self._scoped():
+                return original(work, *args, **kwargs)
+
+        return wait
+
     def _patch_sites(self) -> Iterator[tuple[Any, str, Any, Callable[..., Any]]]:
-        """(module, attribute, original, wrapper) for every alias of a counted collective."""
+        """(owner, attribute, original, wrapper) for every alias of a counted collective (and ``Work.wait``)."""
+        if self.scope is not None:
+            yield dist.Work, "wait", dist.Work.wait, self._wrap_wait(dist.Work.wait)
         targets: dict[int, tuple[Any, Callable[..., Any]]] = {}  # id(original) -> (original, wrapper)
         for name, (kind, index, names) in _COLLECTIVES.items():
             original = getattr(dist, name, None)

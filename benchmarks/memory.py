@@ -26,13 +26,14 @@ What is and isn't counted:
 - counted: every storage an op returns (forward activations, autograd-saved tensors, gradients, all-gather output
   buffers allocated with ``torch.empty``, reduce-scatter buffers, optimizer temporaries), resizes of tracked storages,
   and the inner tensors of tensor subclasses (a ``DTensor``'s local tensor, via ``__tensor_flatten__``);
-- a storage first seen as an op *input* that was never registered is counted from then on (until it is freed) and
-  its bytes are added up in ``late_bytes``. Under gloo these are the temporaries a collective allocates in its worker
-  thread and touches again in ``work.wait()`` on the calling thread (a reduce-scatter's flattened copy of its input):
-  real memory, counted the same for every implementation that reduce-scatters;
-- not seen at all: storages that only C++ code touches outside the dispatcher or in threads without this mode, notably
-  DDP's gradient buckets (allocated at construction, filled by its C++ reducer: ``run.py`` adds their computed size
-  to DDP's figures);
+- a storage first seen as an op *input* that was never registered was made where this mode could not see it:
+  - inside :meth:`LiveBytesCounter.collective_scope` (``run.py`` enters it around every collective call and every
+    ``Work.wait()``), it is a collective's temporary, allocated in gloo's worker thread and touched again on the
+    calling thread (a reduce-scatter's copy of its input): counted from then until freed, summed in ``late_bytes``;
+  - anywhere else, it is a buffer that existed before the step without a Python object, e.g. DDP's gradient buckets
+    (allocated by its C++ reducer, first touched in backward): counted as alive since the start at its current size
+    (added to the baseline and to the running peak), summed in ``hidden_bytes``. This needs a steady-state step:
+    DDP re-allocates its buckets (visibly) in its second step, so ``run.py`` measures the third;
 - not counted either: temporaries that live and die inside one op (e.g. inside a gloo collective or inside a DTensor
   op's own dispatch, where this mode is not active), allocator overhead and fragmentation, and non-tensor memory.
   Collectives that return tensors through the dispatcher (``c10d`` ops) are seen like any op, and their outputs
@@ -41,6 +42,7 @@ What is and isn't counted:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -104,6 +106,8 @@ class LiveBytesCounter(TorchDispatchMode):
         self.peak_bytes = 0
         self.baseline_bytes = 0
         self.late_bytes = 0
+        self.hidden_bytes = 0
+        self._in_collective = 0
         self.ops = 0
 
     # ------------------------------------------------------------------ tracking
@@ -144,6 +148,26 @@ class LiveBytesCounter(TorchDispatchMode):
                 self._sizes[key] = nbytes
                 self.current_bytes += nbytes - old
 
+    def _track_unseen(self, st: torch.UntypedStorage) -> None:
+        nbytes = self._track(st)
+        if not nbytes:
+            return
+        if self._in_collective:
+            self.late_bytes += nbytes  # a collective's temporary: alive from now
+        else:
+            self.hidden_bytes += nbytes  # a pre-existing C++-only buffer: alive since the start
+            self.baseline_bytes += nbytes
+            self.peak_bytes += nbytes
+
+    @contextlib.contextmanager
+    def collective_scope(self) -> Iterator[None]:
+        """Marks code inside a collective: unseen storages met here are its temporaries, not old buffers."""
+        self._in_collective += 1
+        try:
+            yield
+        finally:
+            self._in_collective -= 1
+
     def close(self) -> None:
         """Stop following frees (drops the weak references)."""
         self._refs.clear()
@@ -157,7 +181,7 @@ class LiveBytesCounter(TorchDispatchMode):
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor):
                 for st in storages_of(leaf):
-                    self.late_bytes += self._track(st)  # made where this mode could not see it
+                    self._track_unseen(st)
         out = func(*args, **kwargs)
         self.ops += 1
         self._refresh_sizes()

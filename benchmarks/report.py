@@ -68,7 +68,7 @@ def _memory_row(res: dict[str, Any]) -> list[str]:
     ratio = f"{fc['peak'] / fsdp2['peak']:.2f}" if isinstance(fc, dict) and isinstance(fsdp2, dict) else NA
     ddp = mem.get("ddp")
     ddp_ratio = f"{fc['peak'] / ddp['peak']:.2f}" if isinstance(fc, dict) and isinstance(ddp, dict) else NA
-    buckets = f"{ddp['added'] / MIB:.2f}" if isinstance(ddp, dict) else NA
+    buckets = f"{ddp['hidden'] / MIB:.2f}" if isinstance(ddp, dict) else NA
     ops = " / ".join(str(mem[n]["ops"]) if isinstance(mem.get(n), dict) else NA for n in IMPLS)
     return [res["config"], _mem_cell(fc), _mem_cell(fsdp2), _mem_cell(ddp), ratio, ddp_ratio, buckets, ops]
 
@@ -118,7 +118,7 @@ def render_tables(results: list[dict[str, Any]], args: Any, command: str, elapse
         parts += [
             "**Peak live tensor MiB** in one non-timed step, each implementation alone, max over ranks; "
             "start-of-step MiB (parameters, optimizer state, persistent buffers) in brackets. "
-            "DDP includes its C++ gradient buckets (computed: the counter cannot see them), also listed alone. "
+            "DDP buckets: C++-only buffers first touched in backward, counted as alive since the start. "
             "Ops: ATen ops per step as the dispatch mode sees them (a DTensor op counts once), rank 0.",
             _table(
                 MEMORY_HEADER,

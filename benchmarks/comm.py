@@ -10,6 +10,9 @@ miss it). Only the outermost call is counted (the deprecated names forward to th
 - reduce-scatter: the input tensor's bytes (``world_size`` x shard);
 - all-reduce: the tensor's bytes.
 
+With a ``scope`` the counter also enters it around every counted call and every ``dist.Work.wait()``; the memory
+measurement uses this to recognise a collective's own temporaries (see memory.py).
+
 Not seen: DDP's all-reduces (issued by its C++ reducer), functional collectives (``torch.distributed._functional_
 collectives``, used by DTensor redistribution; none run in a plain training step) and barriers.
 """

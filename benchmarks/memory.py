@@ -34,7 +34,7 @@ What is and isn't counted:
     (allocated by its C++ reducer, first touched in backward): counted as alive since the start at its current size
     (added to the baseline and to the running peak), summed in ``hidden_bytes``. This needs a steady-state step:
     DDP re-allocates its buckets (visibly) in its second step, so ``run.py`` measures the third;
-- not counted either: temporaries that live and die inside one op (e.g. inside a gloo collective or inside a DTensor
+- not counted: temporaries that live and die inside one op (e.g. inside a gloo collective or inside a DTensor
   op's own dispatch, where this mode is not active), allocator overhead and fragmentation, and non-tensor memory.
   Collectives that return tensors through the dispatcher (``c10d`` ops) are seen like any op, and their outputs
   are buffers already allocated by an earlier op, so nothing is double counted.
@@ -58,7 +58,7 @@ __all__ = ["LiveBytesCounter", "live_storage_keys", "storages_of", "tensors_sinc
 def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The untyped storages holding ``tensor``'s data: its own, or its inner tensors' for a wrapper subclass."""
     if is_traceable_wrapper_subclass(tensor):
-        attrs, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        attrs, _ = tensor.__tensor_flatten__()
         inner = (getattr(tensor, attr) for attr in attrs)
         return [st for t in inner if isinstance(t, torch.Tensor) for st in storages_of(t)]
     if tensor.is_meta or tensor.layout != torch.strided:

@@ -234,31 +234,38 @@ def grad_bytes(args: BenchArgs, variant: Variant) -> int:
 
 
 # ---------------------------------------------------------------------- one configuration
-def run_config(variant: Variant, args: BenchArgs, mesh: DeviceMesh) -> dict[str, Any]:
-    result: dict[str, Any] = {"config": variant.name, "na": {}, "memory": {}, "collectives": {}}
+def build_all(variant: Variant, args: BenchArgs, mesh: DeviceMesh) -> tuple[dict[str, Impl], dict[str, str]]:
+    """The available implementations (after one warm-up step) and the reasons for the missing ones."""
     impls: dict[str, Impl] = {}
+    missing: dict[str, str] = {}
     for name in IMPLS:
         built = build_or_skip(name, variant, args, mesh)
         if isinstance(built, str):
-            result["na"][name] = built
+            missing[name] = built
         else:
             impls[name] = built
+    return impls, missing
+
+
+def collectives_result(impls: dict[str, Impl], variant: Variant, args: BenchArgs) -> dict[str, Any]:
+    """Counted bytes of both FSDPs, the theoretical minimum and DDP's computed all-reduce payload."""
+    result: dict[str, Any] = {name: count_collectives(impls[name], args) for name in IMPLS[:2] if name in impls}
+    param_dtype = torch.bfloat16 if variant.bf16 else torch.float32
+    result["min"] = min_collective_bytes(unit_specs(args, variant), args.nproc, param_dtype, torch.float32)
+    result["ddp_allreduce"] = grad_bytes(args, variant)
+    return result
+
+
+def run_config(variant: Variant, args: BenchArgs, mesh: DeviceMesh) -> dict[str, Any]:
+    impls, missing = build_all(variant, args, mesh)
+    result: dict[str, Any] = {"config": variant.name, "na": missing}
     result["times"] = time_interleaved(impls, args)
     result["loss"] = {name: impl.last_loss for name, impl in impls.items()}
-    for name in ("fsdp_compose", "torch_fsdp2"):
-        if name in impls:
-            result["collectives"][name] = count_collectives(impls[name], args)
-    param_dtype = torch.bfloat16 if variant.bf16 else torch.float32
-    result["collectives"]["min"] = min_collective_bytes(
-        unit_specs(args, variant), args.nproc, param_dtype, torch.float32
-    )
-    result["collectives"]["ddp_allreduce"] = grad_bytes(args, variant)
-    del impls
+    result["collectives"] = collectives_result(impls, variant, args)
+    del impls  # the memory step runs each implementation alone
     gc.collect()
-    if args.memory:
-        for name in IMPLS:
-            if name not in result["na"]:
-                result["memory"][name] = measure_memory(name, variant, args, mesh)
+    names = [name for name in IMPLS if name not in missing] if args.memory else []
+    result["memory"] = {name: measure_memory(name, variant, args, mesh) for name in names}
     return result
 
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
-from .unit import OWNER_ATTR, ShardedUnit
+from .unit import MOVED_ATTR, OWNER_ATTR, ShardedUnit
 
 __all__ = [
     "fully_shard",
@@ -81,19 +81,20 @@ def fully_shard(
         raise NotImplementedError("extensions (fc.ShardExtensions) are not supported yet; pass extensions=None")
     if frozen_params not in ("shard", "replicate"):
         raise ValueError(f'frozen_params must be "shard" or "replicate", got {frozen_params!r}')
-    if frozen_params == "replicate":
-        raise NotImplementedError('frozen_params="replicate" is not supported yet; use "shard"')
     ignored = _ignored_ids(ignored_params)
 
     owner_name = _describe(modules)
-    params = _collect_params(modules, ignored, owner_name)
+    params, lifts = _collect_params(modules, ignored, owner_name)
     device = _mesh_device(mesh)
     _check_params(params, shard_placement_fn, owner_name)
 
     # Everything is validated: from here on the model changes.
     for m in modules:
         _move_buffers(m, device)
-    unit = ShardedUnit(params, mesh, device, mp_policy.param_dtype, mp_policy.reduce_dtype, owner_name)
+    owners_of = {id(p): owners for _, p, owners in params}
+    for child_state, param in lifts:  # tied parameters move up from a submodule's unit into this one
+        owners_of[id(param)].extend(child_state.unit.release(param))
+    unit = ShardedUnit(params, mesh, device, mp_policy.param_dtype, mp_policy.reduce_dtype, owner_name, frozen_params)
     state = ShardState(
         tuple(modules),
         unit,
@@ -171,10 +172,18 @@ def _describe(modules: list[nn.Module]) -> str:
     return "[" + ", ".join(type(m).__name__ for m in modules) + "]" if len(modules) > 1 else type(modules[0]).__name__
 
 
-def _collect_params(modules: list[nn.Module], ignored: set[int], owner_name: str) -> list[_ParamEntry]:
-    """Parameters this call manages: all under ``modules`` except ignored ones and those of sharded submodules."""
+def _collect_params(
+    modules: list[nn.Module], ignored: set[int], owner_name: str
+) -> tuple[list[_ParamEntry], list[tuple[ShardState, nn.Parameter]]]:
+    """Parameters this call manages: all under ``modules`` except ignored ones and those of sharded submodules.
+
+    A parameter that a sharded submodule's unit already took but that is also used outside that submodule (a tie,
+    e.g. an embedding and an output head) is *lifted*: returned in ``lifts`` so that it moves into this unit, the
+    closest unit containing every use. Returns (entries, lifts); nothing is changed here.
+    """
     entries: dict[int, _ParamEntry] = {}
-    taken: dict[int, str] = {}  # id of a parameter already sharded by a submodule's call -> its owner
+    taken: dict[int, ShardState] = {}  # id of a user parameter a sharded submodule's unit replaced -> that state
+    sharded_by_child: dict[int, str] = {}  # id of a sharded parameter of a submodule -> its unit
     visited: set[int] = set()
 
     def visit(module: nn.Module, prefix: str) -> None:
@@ -185,12 +194,6 @@ def _collect_params(modules: list[nn.Module], ignored: set[int], owner_name: str
             if param is None or id(param) in ignored:
                 continue
             fqn = prefix + name
-            owner = getattr(param, OWNER_ATTR, None)
-            if owner is not None:
-                raise ValueError(
-                    f"parameter '{fqn}' is already sharded by the fully_shard call on {owner}, which encloses "
-                    f"{owner_name}; call fully_shard bottom-up: submodules first, then their parents"
-                )
             if id(param) in entries:
                 entries[id(param)][2].append((module, name))
             else:
@@ -198,27 +201,50 @@ def _collect_params(modules: list[nn.Module], ignored: set[int], owner_name: str
         for child_name, child in module._modules.items():
             if child is None:
                 continue
-            child_state = get_state(child)
-            if child_state is not None:
-                for ref in child_state.unit.original_params:
-                    original = ref()
-                    if original is not None:
-                        taken[id(original)] = child_state.unit.owner_name
-                for mp in child_state.unit.params:
-                    taken[id(mp.sharded)] = child_state.unit.owner_name
+            if get_state(child) is not None:
+                for state in states_under(child):
+                    for mp in state.unit.params:
+                        original = mp.original() if mp.original is not None else None
+                        if original is not None:
+                            taken[id(original)] = state
+                        sharded_by_child[id(mp.sharded)] = state.unit.owner_name
                 continue
             visit(child, prefix + child_name + ".")
 
     for module in modules:
         visit(module, "")
+    lifts: list[tuple[ShardState, nn.Parameter]] = []
     for fqn, param, _ in entries.values():
         if id(param) in taken:
+            lifts.append((taken[id(param)], param))
+            continue
+        owner = getattr(param, OWNER_ATTR, None)
+        if id(param) in sharded_by_child:
             raise ValueError(
-                f"parameter '{fqn}' of {owner_name} is tied to a parameter that fully_shard on {taken[id(param)]} "
-                "already sharded; tied weights must live in one unit: shard their closest common parent (or pass "
-                "both modules as a list to one fully_shard call)"
+                f"parameter '{fqn}' of {owner_name} is the sharded parameter of the unit on "
+                f"{sharded_by_child[id(param)]} (tied after that fully_shard call); tie weights before calling "
+                "fully_shard, then the enclosing call moves the shared parameter into its own unit"
             )
-    return list(entries.values())
+        if owner is not None:
+            raise ValueError(
+                f"parameter '{fqn}' is already sharded by the fully_shard call on {owner}, which encloses "
+                f"{owner_name}; call fully_shard bottom-up: submodules first, then their parents"
+            )
+        moved_to = getattr(param, MOVED_ATTR, None)
+        if moved_to is not None:
+            raise ValueError(
+                f"parameter '{fqn}' of {owner_name} is tied to a parameter that fully_shard on {moved_to} already "
+                f"sharded, and {moved_to} is not inside {owner_name}; a tied parameter lives in the closest unit "
+                "containing every use: call fully_shard on their common parent and not on this module (or pass "
+                "both modules as one list)"
+            )
+    for state, _ in lifts:
+        if state.root is not None:
+            raise ValueError(
+                f"a parameter of the unit on {state.unit.owner_name} is tied to one used by {owner_name}, but that "
+                "unit already ran a forward; call fully_shard on every module before the first forward"
+            )
+    return list(entries.values()), lifts
 
 
 def _check_params(

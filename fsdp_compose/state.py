@@ -117,8 +117,9 @@ class ShardState:
         self.full_precision_now = False
         self.forward_pending: set[int] = set()  # ids of this state's modules whose forward has not finished
         self.post_backward_pending = False
-        self.reduced_this_backward = False
+        self.reduce_issued = False  # this unit's reduce-scatter went out in this backward
         self.final_callback_queued = False
+        self.next_reduction = 0  # root only: position in reversed(root_states) of the next reduce-scatter to issue
 
     # ------------------------------------------------------------------ hooks registration
     def register_hooks(self) -> None:
@@ -166,6 +167,9 @@ class ShardState:
         # A forward with grad enabled and no backward (e.g. evaluation without no_grad) leaves per-step flags set.
         for state in self.root_states:
             state._reset_step()
+            # The cheap per-step trainability check: one bool comparison per parameter.
+            if state.auto_refresh_trainable and state.unit.refresh_trainable():
+                logger.debug("trainability of %s changed: refreshed", state.unit.owner_name)
         if self.device.type != "cpu":
             args, kwargs = tree_map(self._to_device, (args, kwargs))
         return args, kwargs
@@ -190,12 +194,13 @@ class ShardState:
         self.forward_pending = {id(m) for m in self.modules}
         self.training_state = TrainingState.FORWARD
         self.full_precision_now = self.full_precision_in_eval and not module.training
-        compute_dtype = self.unit.orig_dtype if self.full_precision_now else self.mp_policy.param_dtype
-        if self.unit.is_unsharded and (self.unit.is_stale() or self.unit.param_dtype != compute_dtype):
-            self.unit.reshard()  # kept unsharded across an optimizer step or a precision switch: gather again
-        self.unit.param_dtype = compute_dtype or self.unit.orig_dtype
-        self.unit.unshard()
-        if compute_dtype is not None and self.mp_policy.cast_forward_inputs:
+        unit = self.unit
+        compute_dtype = unit.orig_dtype if self.full_precision_now else self.mp_policy.param_dtype or unit.orig_dtype
+        if unit.is_unsharded and (unit.is_stale() or unit.param_dtype != compute_dtype):
+            unit.reshard()  # kept unsharded across an optimizer step or a precision switch: gather again
+        unit.param_dtype = compute_dtype
+        unit.unshard()
+        if compute_dtype != unit.orig_dtype and self.mp_policy.cast_forward_inputs:
             args, kwargs = tree_map(lambda v: _cast_floating(v, compute_dtype), (args, kwargs))
         if torch.is_grad_enabled():
             args, kwargs = self._wrap_inputs(args, kwargs)
@@ -253,33 +258,56 @@ class ShardState:
         self.post_backward_pending = True
 
     def post_backward(self) -> None:
-        """Reduce this unit's gradients (when syncing) and reshard; runs once the unit's backward is done."""
+        """The unit's backward is done: hand its gradients to the reduction (or accumulate them) and reshard."""
         if not self.post_backward_pending:
             return
         self.post_backward_pending = False
         self.training_state = TrainingState.IDLE
-        if self.reduces_now:
-            if not self.reduced_this_backward:
-                self.unit.reduce_grads(self.gradient_divide_factor)
-                self.reduced_this_backward = True
-        else:
-            self.unit.accumulate_grads(self.gradient_divide_factor)
+        grads = self.unit.grads
+        if not self.reduces_now:
+            grads.accumulate(self.gradient_divide_factor)
+        elif grads.trainable:
+            grads.stage(self.gradient_divide_factor)
+            if self.reduce_issued:  # a second use of the unit in this backward: its turn has passed, go now
+                grads.reduce(self.gradient_divide_factor)
+            elif self.root is not None:
+                self.root._issue_reductions_in_order()
         if self.reshard_after_backward:
             self.unit.reshard()
+
+    def _issue_reductions_in_order(self) -> None:
+        """Root: issue staged reduce-scatters in one fixed order, the same on every rank.
+
+        The order is reverse registration order (blocks last to first, then the root): the natural backward order,
+        so in the common case every unit goes as soon as it is staged. A unit staged early waits for the ones before
+        it; a unit a rank never ran (an unused branch) is staged with zeros by the final callback. Every rank thus
+        issues the same collectives in the same order, whatever its data did (DDP orders its buckets the same way).
+        """
+        order = self.root_states
+        while self.next_reduction < len(order):
+            state = order[len(order) - 1 - self.next_reduction]
+            if state.reduces_now and state.unit.grads.trainable:
+                if state.unit.grads.staged is None:
+                    return
+                state.unit.grads.reduce(state.gradient_divide_factor)
+                state.reduce_issued = True
+            self.next_reduction += 1
 
     def _final_callback(self) -> None:
         """End of backward (queued by the first pre-backward hook): finish every unit, then reset per-step state.
 
-        Units go in reverse pre-order (roughly backward order). A trainable unit that never saw a gradient on this
-        rank still reduce-scatters (zeros) when syncing, because another rank may have used it.
+        A unit whose post-backward never fired here (its inputs needed no gradient, or this rank never used it)
+        finishes now; a trainable one is reduced with whatever it has (zeros), because another rank may have used
+        it and the collectives must match.
         """
         for state in reversed(self.root_states):
             if state.post_backward_pending:
                 state.post_backward()
-            elif state.reduces_now and not state.reduced_this_backward and state.unit.has_trainable():
-                state.unit.reduce_grads(state.gradient_divide_factor)
+            elif state.reduces_now and not state.reduce_issued and state.unit.grads.trainable:
+                state.unit.grads.stage(state.gradient_divide_factor)
             if state.reshard_after_backward and state.unit.state is not UnitState.SHARDED:
                 state.unit.reshard()
+        self._issue_reductions_in_order()
         for state in self.root_states:
             state._reset_step()
 

@@ -1,12 +1,13 @@
-"""A unit: the parameters of one ``fully_shard`` call, their flat shard buffer, and the three data movements.
+"""A unit: the parameters of one ``fully_shard`` call and their flat shard buffer (gradients: see grads.py).
 
 1. ``unshard``  — all-gather the flat shard segment of every rank, copy each parameter's rows out into its own full
    tensor, and register those full tensors on the owning modules (so the user's forward runs unchanged).
 2. ``reshard``  — register the sharded DTensor parameters again and free the full tensors' storage. The storage
    object is kept and resized to zero, so tensors autograd saved still alias it and see the data again after the next
    all-gather refills it.
-3. ``reduce_grads`` — copy the full gradients into one ``(world_size, segment)`` buffer, reduce-scatter it once, and
-   hand every sharded parameter its rows as a DTensor ``.grad`` (accumulating into an existing one).
+
+Parameters are *sharded* (``Shard(0)``, rows in ``flat``) or *kept whole* on every rank (``Replicate()``, never
+communicated): 0-dim parameters, and frozen ones under ``frozen_params="replicate"``.
 
 The sharded parameters' local tensors are views into ``flat``, so the all-gather reads them with no copy-in and the
 optimizer's in-place updates land in the buffer directly. Anything that breaks those views (``to_empty``,
@@ -29,8 +30,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .collectives import Work, all_gather_flat, reduce_scatter_flat
-from .sharding import FlatLayout, copy_param_from_segments, local_rows, write_grad_into_segments
+from .collectives import Work, all_gather_flat
+from .grads import UnitGradients
+from .sharding import FlatLayout, copy_param_from_segments, local_rows
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,9 @@ __all__ = ["ManagedParam", "ShardedUnit", "UnitState"]
 # Attribute set on every sharded parameter so a later fully_shard on a submodule can tell that an enclosing call
 # already owns it. It lives on the parameter instance (not in a registry) and names the owner for error messages.
 OWNER_ATTR = "_fsdp_compose_owner"
+# Attribute set on the user's original parameter once a unit replaced it, so that a later fully_shard on a module that
+# still uses it (a tie) can tell; it names the unit that took it.
+MOVED_ATTR = "_fsdp_compose_moved_to"
 
 
 class UnitState(enum.Enum):
@@ -54,7 +59,9 @@ class ManagedParam:
     fqn: str
     owners: list[tuple[nn.Module, str]]
     sharded: DTensor  # an nn.Parameter holding a DTensor
-    slot: int | None  # index into the unit's FlatLayout; None: a 0-dim parameter kept whole on every rank
+    slot: int | None  # index into the unit's FlatLayout; None: kept whole on every rank
+    trainable: bool  # requires_grad as of the last trainability refresh
+    original: weakref.ref[nn.Parameter] | None = None  # the user's parameter this one replaced (for ties)
     local: torch.Tensor | None = None  # the view into ``flat`` that ``sharded`` must hold; None: needs adopting
     full: nn.Parameter | None = None  # the unsharded parameter used by forward/backward
     full_data: torch.Tensor | None = None  # ``full.data``: writes through it do not bump ``full``'s version
@@ -135,6 +142,7 @@ class ShardedUnit:
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
         owner_name: str,
+        frozen_params: str = "shard",
     ) -> None:
         self.mesh = mesh
         self.group: dist.ProcessGroup = mesh.get_group(0)
@@ -142,38 +150,94 @@ class ShardedUnit:
         self.world_size = mesh.size(0)
         self.device = device
         self.owner_name = owner_name
+        self.frozen_params = frozen_params
         self.state = UnitState.SHARDED
         self._pending_gather: tuple[Work | None, torch.Tensor] | None = None
-        # The user's parameters this unit replaced (weakly held), so a parent's fully_shard can spot ties to them.
-        self.original_params: list[weakref.ref[nn.Parameter]] = [weakref.ref(p) for _, p, _ in params]
-        # No-sync accumulation in the reduce-scatter layout (see accumulate_grads) and which parameters it is for.
-        self._accumulated: torch.Tensor | None = None
-        self._accumulated_for: list[int] = []
-        self._locally_seen: set[int] = set()  # parameters that had a gradient on this rank since the last reduce
-
-        sharded_specs = [(fqn, p, owners) for fqn, p, owners in params if p.ndim > 0]
-        replicated_specs = [(fqn, p, owners) for fqn, p, owners in params if p.ndim == 0]
-        self.orig_dtype = params[0][1].dtype if params else torch.float32
+        dtypes = [p.dtype for _, p, _ in params if p.ndim > 0] or [p.dtype for _, p, _ in params] or [torch.float32]
+        self.orig_dtype: torch.dtype = dtypes[0]
         self.param_dtype = param_dtype or self.orig_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        self.layout = FlatLayout.build([p.shape for _, p, _ in sharded_specs], self.world_size)
-        on_meta = any(p.is_meta for _, p, _ in params)
-        self.flat = torch.zeros(self.layout.segment_numel, dtype=self.orig_dtype, device="meta" if on_meta else device)
-        self.params: list[ManagedParam] = []
-        for index, (fqn, param, owners) in enumerate(sharded_specs):
-            view = self.layout.shard_view(self.flat, index, self.rank)
-            with torch.no_grad():
-                view.copy_(local_rows(param.detach(), self.rank, self.world_size))
-            sharded = _make_sharded_param(view, mesh, Shard(0), param.shape, param.requires_grad)
-            self.params.append(ManagedParam(fqn, owners, sharded, slot=index))
-        for fqn, param, owners in replicated_specs:
-            local = param.detach().to(self.flat.device, copy=True)
-            sharded = _make_sharded_param(local, mesh, Replicate(), param.shape, param.requires_grad)
-            self.params.append(ManagedParam(fqn, owners, sharded, slot=None))
+        shapes = [p.shape for _, p, _ in params]
+        trainable = [p.requires_grad for _, p, _ in params]
+        whole = [self._kept_whole(len(shape), t) for shape, t in zip(shapes, trainable, strict=True)]
+        news, slots = self._build_flat(shapes, [p.detach() for _, p, _ in params], whole, trainable, are_full=True)
+        self.params = [
+            ManagedParam(fqn, owners, new, slot, trainable=p.requires_grad, original=weakref.ref(p))
+            for (fqn, p, owners), new, slot in zip(params, news, slots, strict=True)
+        ]
         for mp in self.params:
-            setattr(mp.sharded, OWNER_ATTR, owner_name)
-            mp.local = mp.sharded._local_tensor
-            mp.register(mp.sharded)
+            self._installed(mp)
+        for _, p, _ in params:
+            setattr(p, MOVED_ATTR, owner_name)
+        self.grads = UnitGradients(self)
+
+    # ------------------------------------------------------------------ building the flat buffer
+    def _kept_whole(self, ndim: int, trainable: bool) -> bool:
+        return ndim == 0 or (self.frozen_params == "replicate" and not trainable)
+
+    def _build_flat(
+        self,
+        shapes: list[torch.Size],
+        values: list[torch.Tensor],
+        whole: list[bool],
+        requires_grad: list[bool],
+        *,
+        are_full: bool,
+    ) -> tuple[list[DTensor], list[int | None]]:
+        """A new ``flat`` holding the sharded parameters' rows; new DTensor parameters over it (and whole ones).
+
+        ``values`` are full tensors (``are_full``) or this rank's local shards.
+        """
+        sharded = [i for i, w in enumerate(whole) if not w]
+        self.layout = FlatLayout.build([shapes[i] for i in sharded], self.world_size)
+        on_meta = any(v.is_meta for v in values)
+        self.flat = torch.zeros(
+            self.layout.segment_numel, dtype=self.orig_dtype, device="meta" if on_meta else self.device
+        )
+        slots: list[int | None] = [None] * len(values)
+        for position, i in enumerate(sharded):
+            slots[i] = position
+        news = []
+        for i, value in enumerate(values):
+            slot = slots[i]
+            if slot is None:
+                local = value.detach().to(self.flat.device, copy=True)
+                placement: Shard | Replicate = Replicate()
+            else:
+                local = self.layout.shard_view(self.flat, slot, self.rank)
+                with torch.no_grad():
+                    local.copy_(local_rows(value, self.rank, self.world_size) if are_full else value)
+                placement = Shard(0)
+            news.append(_make_sharded_param(local, self.mesh, placement, shapes[i], requires_grad[i]))
+        return news, slots
+
+    def _installed(self, mp: ManagedParam) -> None:
+        setattr(mp.sharded, OWNER_ATTR, self.owner_name)
+        mp.local = mp.sharded._local_tensor
+        mp.full = mp.full_data = None
+        mp.register(mp.sharded)
+
+    def _reinstall(self, values: list[torch.Tensor], *, are_full: bool) -> None:
+        """Rebuild ``flat`` from ``values`` and swap the new DTensors into the existing parameter objects.
+
+        ``torch.utils.swap_tensors`` keeps the ``nn.Parameter`` objects optimizers hold. A gradient survives when the
+        parameter keeps its placement; one whose placement changes (sharded <-> whole) is dropped.
+        """
+        whole = [self._kept_whole(len(mp.sharded.shape), mp.trainable) for mp in self.params]
+        news, slots = self._build_flat(
+            [mp.sharded.shape for mp in self.params],
+            values,
+            whole,
+            [mp.sharded.requires_grad for mp in self.params],
+            are_full=are_full,
+        )
+        for mp, new, slot in zip(self.params, news, slots, strict=True):
+            grad = mp.sharded.grad if (slot is None) == (mp.slot is None) else None
+            torch.utils.swap_tensors(mp.sharded, new)
+            _install_copier(mp.sharded)  # the swap moved the copier that pointed at ``new``
+            mp.sharded.grad = grad
+            mp.slot = slot
+            self._installed(mp)
 
     # ------------------------------------------------------------------ keeping the views intact
     def views_intact(self) -> bool:
@@ -201,8 +265,8 @@ class ShardedUnit:
         """Make every parameter a view into a fresh ``flat`` again, keeping the ``nn.Parameter`` objects.
 
         Picks up a parameter object the user registered in place of ours (it must be a DTensor of the same global
-        shape), copies every current local shard into a new flat buffer and swaps the new views into the existing
-        parameter objects with ``torch.utils.swap_tensors``, so optimizers that hold them keep working.
+        shape) and copies every current local shard into a new flat buffer (after ``to_empty``,
+        ``load_state_dict(assign=True)`` or ``copy.deepcopy``).
         """
         if self.state is not UnitState.SHARDED:
             raise RuntimeError(f"internal: adopt() on {self.owner_name} while {self.state.value}")
@@ -220,25 +284,7 @@ class ShardedUnit:
                     )
                 mp.sharded = current
                 mp.register(current)
-        self.flat = torch.zeros(self.layout.segment_numel, dtype=self.orig_dtype, device=self.device)
-        for mp in self.params:
-            old_local = mp.sharded._local_tensor
-            if mp.slot is None:
-                new_local = old_local.detach().to(self.device, copy=True)
-                placement: Shard | Replicate = Replicate()
-            else:
-                new_local = self.layout.shard_view(self.flat, mp.slot, self.rank)
-                with torch.no_grad():
-                    new_local.copy_(old_local)
-                placement = Shard(0)
-            grad = mp.sharded.grad
-            fresh = _make_sharded_param(new_local, self.mesh, placement, mp.sharded.shape, mp.sharded.requires_grad)
-            torch.utils.swap_tensors(mp.sharded, fresh)
-            _install_copier(mp.sharded)  # the swap moved the copier that pointed at ``fresh``
-            mp.sharded.grad = grad
-            setattr(mp.sharded, OWNER_ATTR, self.owner_name)
-            mp.local = mp.sharded._local_tensor
-            mp.full = mp.full_data = None
+        self._reinstall([mp.sharded._local_tensor for mp in self.params], are_full=False)
         logger.debug("re-adopted %d parameters of %s into a new flat buffer", len(self.params), self.owner_name)
 
     def copy_for(self, memo: dict[int, Any]) -> ShardedUnit:
@@ -254,16 +300,68 @@ class ShardedUnit:
                 [(copy.deepcopy(module, memo), name) for module, name in mp.owners],
                 copy.deepcopy(mp.sharded, memo),
                 mp.slot,
+                trainable=mp.trainable,
             )
             for mp in self.params
         ]
         new.flat = torch.zeros(0, dtype=self.orig_dtype, device="meta")
         new.state = UnitState.SHARDED
         new._pending_gather = None
-        new._accumulated = None
-        new._accumulated_for = []
-        new._locally_seen = set()
+        new.grads = UnitGradients(new)
         return new
+
+    # ------------------------------------------------------------------ trainability
+    def trainability_changed(self) -> bool:
+        return any(mp.sharded.requires_grad != mp.trainable for mp in self.params)
+
+    def refresh_trainable(self) -> bool:
+        """Catch up with ``requires_grad`` changes: which parameters get full gradients and are reduced, and (under
+        ``frozen_params="replicate"``) which are kept whole. Returns whether anything changed.
+
+        Moving a parameter between sharded and whole re-lays out the unit, which all-gathers it once in its
+        original dtype: every rank must make the same change (as with any change to the model).
+        """
+        if not self.trainability_changed():
+            return False
+        if self.grads.has_pending():
+            self.grads.refresh()  # raises: gradients from no-sync micro-batches would be lost
+        old_whole = [mp.slot is None for mp in self.params]
+        for mp in self.params:
+            mp.trainable = mp.sharded.requires_grad
+        new_whole = [self._kept_whole(len(mp.sharded.shape), mp.trainable) for mp in self.params]
+        if new_whole != old_whole:
+            self._relayout()
+        for mp in self.params:
+            if mp.full is not None:
+                mp.full.requires_grad_(mp.trainable)
+        self.grads.refresh()
+        return True
+
+    def _relayout(self) -> None:
+        compute_dtype = self.param_dtype
+        self.reshard()
+        self.param_dtype = self.orig_dtype  # gather the master values, not a low-precision copy
+        try:
+            self.unshard()
+            values = [cast(torch.Tensor, mp.full_data).clone() for mp in self.params]
+            self.reshard()
+        finally:
+            self.param_dtype = compute_dtype
+        self._reinstall(values, are_full=True)
+        logger.debug("re-laid out %s: %d parameters kept whole", self.owner_name, self.layout.segment_numel)
+
+    def release(self, original: nn.Parameter) -> list[tuple[nn.Module, str]]:
+        """Stop managing the parameter that replaced ``original`` (it moves to an enclosing unit: a tie).
+
+        Returns the (module, attribute) pairs that held it; the caller registers its own parameter there.
+        """
+        if self.state is not UnitState.SHARDED or self.grads.has_pending():
+            raise RuntimeError(f"cannot move a tied parameter out of {self.owner_name} while it is in use")
+        index = next(i for i, mp in enumerate(self.params) if mp.original is not None and mp.original() is original)
+        released = self.params.pop(index)
+        self._reinstall([mp.sharded._local_tensor for mp in self.params], are_full=False)
+        self.grads.refresh()
+        return released.owners
 
     # ------------------------------------------------------------------ unshard / reshard
     @property
@@ -281,7 +379,7 @@ class ShardedUnit:
         if not self.views_intact():
             self.adopt()
         shard = self.flat if self.param_dtype == self.orig_dtype else self.flat.to(self.param_dtype)
-        if self.world_size == 1:
+        if self.world_size == 1 or self.layout.segment_numel == 0:
             self._pending_gather = (None, shard)
         else:
             gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
@@ -316,16 +414,13 @@ class ShardedUnit:
 
     def _ensure_full(self, mp: ManagedParam) -> torch.Tensor:
         """The full parameter's ``.data`` with storage allocated (created on first use, resized back after)."""
-        requires_grad = mp.sharded.requires_grad
         if mp.full is None or mp.full.dtype != self.param_dtype:
             if mp.slot is None and self.param_dtype == self.orig_dtype:
-                mp.full = nn.Parameter(mp.sharded._local_tensor, requires_grad=requires_grad)
+                mp.full = nn.Parameter(mp.sharded._local_tensor, requires_grad=mp.trainable)  # whole: no copy
             else:
                 empty = torch.empty(mp.sharded.shape, dtype=self.param_dtype, device=self.device)
-                mp.full = nn.Parameter(empty, requires_grad=requires_grad)
+                mp.full = nn.Parameter(empty, requires_grad=mp.trainable)
             mp.full_data = mp.full.data
-        elif mp.full.requires_grad != requires_grad:
-            mp.full.requires_grad_(requires_grad)
         assert mp.full_data is not None
         storage = mp.full_data.untyped_storage()
         needed = mp.full_data.numel() * mp.full_data.element_size()
@@ -341,156 +436,17 @@ class ShardedUnit:
             return
         for mp in self.params:
             mp.register(mp.sharded)
-            if mp.slot is not None and mp.full_data is not None:
-                mp.full_data.untyped_storage().resize_(0)
+            full_data = mp.full_data
+            if full_data is not None and full_data.untyped_storage().data_ptr() != mp.sharded._local_tensor.data_ptr():
+                full_data.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
 
-    # ------------------------------------------------------------------ gradients
+    # ------------------------------------------------------------------ gradients (see grads.py)
     def has_trainable(self) -> bool:
-        return any(mp.sharded.requires_grad for mp in self.params)
+        return bool(self.grads.trainable)
 
     def has_pending_full_grads(self) -> bool:
         return any(mp.full is not None and mp.full.grad is not None for mp in self.params)
 
-    def _divide_factors(self, divide_factor: float | None) -> tuple[float, float]:
-        """(pre, post) divisors whose product is the divide factor (default: the data-parallel size).
-
-        fp16 sums of many ranks overflow and fp16 pre-divided values underflow, so for fp16 the factor is split:
-        pre-divide by the largest power of two not above its square root (exact in binary floating point), post-divide
-        by the rest. Other dtypes have fp32's range: one post-division is the most accurate.
-        """
-        total = float(self.world_size if divide_factor is None else divide_factor)
-        if self.reduce_dtype != torch.float16:
-            return 1.0, total
-        pre = 1.0
-        while (pre * 2.0) ** 2 <= total:
-            pre *= 2.0
-        return pre, total / pre
-
-    def _grad_tail(self, trainable: list[ManagedParam]) -> dict[int, int]:
-        return {id(mp): i for i, mp in enumerate(mp for mp in trainable if mp.slot is None)}
-
-    def _write_grads(self, buffer: torch.Tensor, trainable: list[ManagedParam], *, fresh: bool, pre: float) -> None:
-        """Move every trainable full gradient into ``buffer`` (copy when ``fresh``, else add) and free it.
-
-        ``buffer`` is ``(world_size, segment + tail)``: the reduce-scatter layout, plus a tail that every rank writes
-        into every segment — one "had a gradient" count per trainable parameter and the gradients of 0-dim
-        parameters — so the reduce-scatter also delivers those sums to every rank (no second collective).
-        """
-        segment = self.layout.segment_numel
-        scalar_column = self._grad_tail(trainable)
-        flags = buffer[:, segment : segment + len(trainable)]
-        scalars = buffer[:, segment + len(trainable) :]
-        for index, mp in enumerate(trainable):
-            grad = mp.full.grad if mp.full is not None else None
-            if grad is not None:
-                self._locally_seen.add(id(mp))
-            if mp.slot is None:
-                column = scalars[:, scalar_column[id(mp)]]
-                if grad is None:
-                    column.zero_() if fresh else None
-                else:
-                    source = grad.reshape(1).expand(self.world_size)
-                    column.copy_(source).div_(pre) if fresh else column.add_(source, alpha=1.0 / pre)
-            elif grad is None:
-                if fresh:
-                    slot = self.layout.slots[mp.slot]
-                    buffer[:, slot.offset : slot.offset + slot.numel].zero_()
-            else:
-                write_grad_into_segments(grad, buffer, self.layout.slots[mp.slot], accumulate=not fresh, scale=pre)
-            if fresh:
-                flags[:, index].fill_(0.0 if grad is None else 1.0)
-            elif grad is not None:
-                flags[:, index].add_(1.0)
-            if mp.full is not None:
-                mp.full.grad = None
-
-    def _trainable(self) -> list[ManagedParam]:
-        return [mp for mp in self.params if mp.sharded.requires_grad]
-
-    def accumulate_grads(self, divide_factor: float | None = None) -> None:
-        """A no-sync micro-batch: add the full gradients into the unit's reduce-scatter buffer and free them.
-
-        The buffer (in ``reduce_dtype``, e.g. fp32 under bf16 compute) persists until the synced backward, which
-        adds its own gradients and reduce-scatters that same buffer in place: no second full-size buffer, no concat.
-        """
-        trainable = self._trainable()
-        if not trainable or not any(mp.full is not None and mp.full.grad is not None for mp in trainable):
-            return
-        pre, _ = self._divide_factors(divide_factor)
-        fresh = self._accumulated is None
-        if self._accumulated is None:
-            tail = len(trainable) + len(self._grad_tail(trainable))
-            self._accumulated = torch.empty(
-                self.world_size, self.layout.segment_numel + tail, dtype=self.reduce_dtype, device=self.device
-            )
-            self._accumulated_for = [id(mp) for mp in trainable]
-        elif self._accumulated_for != [id(mp) for mp in trainable]:
-            raise self._trainability_changed_error()
-        self._write_grads(self._accumulated, trainable, fresh=fresh, pre=pre)
-
-    def _trainability_changed_error(self) -> RuntimeError:
-        return RuntimeError(
-            f"requires_grad of parameters in the unit rooted at {self.owner_name} changed while gradients from "
-            "no-sync micro-batches are pending; finish the accumulation with a synced backward (or zero_grad) "
-            "before freezing or unfreezing parameters"
-        )
-
     def has_accumulated_grads(self) -> bool:
-        return self._accumulated is not None
-
-    def reduce_grads(self, divide_factor: float | None = None) -> None:
-        """Reduce-scatter the trainable gradients (this backward's and any accumulated ones) into sharded ``.grad``.
-
-        Every rank issues exactly one reduce-scatter, also when it has no gradient for some parameters (an unused
-        branch): those contribute zeros. Gradients are averaged over ranks (or divided by ``divide_factor``).
-        """
-        trainable = self._trainable()
-        if not trainable:
-            return
-        pre, post = self._divide_factors(divide_factor)
-        segment = self.layout.segment_numel
-        scalar_column = self._grad_tail(trainable)
-        tail = len(trainable) + len(scalar_column)
-        buffer = self._accumulated
-        if buffer is not None and self._accumulated_for != [id(mp) for mp in trainable]:
-            raise self._trainability_changed_error()
-        if buffer is None:
-            buffer = torch.empty(self.world_size, segment + tail, dtype=self.reduce_dtype, device=self.device)
-        self._write_grads(buffer, trainable, fresh=self._accumulated is None, pre=pre)
-        self._accumulated = None
-        missing_locally = len(self._locally_seen) < len(trainable)
-        self._locally_seen = set()
-        output = torch.empty(segment + tail, dtype=self.reduce_dtype, device=self.device)
-        if self.world_size == 1:
-            output.copy_(buffer.view(-1))
-        else:
-            reduce_scatter_flat(output, buffer.view(-1), self.group, async_op=False)
-        del buffer
-        if post != 1.0:
-            output.div_(post)
-        # Reading the flags costs a device sync, so only a rank that lacked a gradient itself reads them.
-        had_grad = (output[segment : segment + len(trainable)] > 0).tolist() if missing_locally else None
-        for index, mp in enumerate(trainable):
-            if had_grad is not None and not had_grad[index]:
-                continue
-            if mp.slot is None:
-                rows = output[segment + len(trainable) + scalar_column[id(mp)]].view(())
-            else:
-                rows = self.layout.shard_view(output, mp.slot, self.rank)
-            self._accumulate_sharded_grad(mp, rows)
-
-    def _accumulate_sharded_grad(self, mp: ManagedParam, rows: torch.Tensor) -> None:
-        rows = rows.to(self.orig_dtype)
-        if mp.sharded.grad is None:
-            placement: Shard | Replicate = Replicate() if mp.slot is None else Shard(0)
-            mp.sharded.grad = DTensor.from_local(
-                rows,
-                self.mesh,
-                (placement,),
-                run_check=False,
-                shape=mp.sharded.shape,
-                stride=_contiguous_stride(mp.sharded.shape),
-            )
-        else:
-            cast(DTensor, mp.sharded.grad)._local_tensor.add_(rows)
+        return self.grads.accumulated is not None

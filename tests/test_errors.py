@@ -109,15 +109,22 @@ def _errors_from_ties(rank: int, ws: int) -> None:
 
     tied = Tied()
     fc.fully_shard(tied.emb, mesh=mesh)
+    # a sibling tie: head is not inside emb, so head cannot take the shared parameter
     before = [(n, id(p)) for n, p in tied.head.named_parameters()]
     _expect(
         ValueError,
-        r"'head.weight' of Tied is tied to a parameter that fully_shard on Embedding",
+        r"'weight' of Linear is tied to a parameter that fully_shard on Embedding already sharded, and Embedding "
+        r"is not inside Linear",
         fc.fully_shard,
-        tied,
+        tied.head,
         mesh=mesh,
     )
-    assert [(n, id(p)) for n, p in tied.head.named_parameters()] == before and not fc.is_fully_sharded(tied)
+    assert [(n, id(p)) for n, p in tied.head.named_parameters()] == before and not fc.is_fully_sharded(tied.head)
+    # the common parent lifts it out of the embedding's unit into its own
+    fc.fully_shard(tied, mesh=mesh)
+    assert tied.head.weight is tied.emb.weight and isinstance(tied.emb.weight, DTensor)
+    assert [mp.fqn for mp in fc.get_state(tied).unit.params] == ["head.weight"]
+    assert fc.get_state(tied.emb).unit.params == []
 
 
 def _meta_params_at_first_forward(rank: int, ws: int) -> str:

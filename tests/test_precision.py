@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compose as fc
-import fsdp_compose.unit as unit_module
+import fsdp_compose.grads as grads_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from tests.dist_utils import (
     full_value,
@@ -141,20 +141,20 @@ def _sync_reduces_the_accumulation_buffer_in_place(rank: int, ws: int) -> tuple[
     x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
     with fc.no_sync(model):
         loss_fn(model(x), y).backward()
-    accumulated = {u._accumulated.data_ptr(): tuple(u._accumulated.shape) for u in units}
+    accumulated = {u.grads.accumulated.data_ptr(): tuple(u.grads.accumulated.shape) for u in units}
     reduced_inputs: list[int] = []
-    original = unit_module.reduce_scatter_flat
+    original = grads_module.reduce_scatter_flat
 
     def recording(output: torch.Tensor, buffer: torch.Tensor, group: Any, *, async_op: bool) -> Any:
         reduced_inputs.append(buffer.data_ptr())
         return original(output, buffer, group, async_op=async_op)
 
-    unit_module.reduce_scatter_flat = recording
+    grads_module.reduce_scatter_flat = recording
     try:
         with _Factories() as factories:
             loss_fn(model(x), y).backward()
     finally:
-        unit_module.reduce_scatter_flat = original
+        grads_module.reduce_scatter_flat = original
     in_place = sorted(reduced_inputs) == sorted(accumulated)
     # no new reduce-scatter-sized fp32 buffer appeared during the synced micro-batch
     second_buffers = [c for c in factories.created if c[1] == torch.float32 and c[0] in accumulated.values()]

@@ -1,0 +1,191 @@
+"""Gradient reduction of one unit: which parameters are reduced, their reduce-scatter layout, the buffers in flight.
+
+Only trainable parameters (``requires_grad`` as of the last trainability refresh) take part, laid out with the same
+``torch.chunk`` row split as the parameters but in their own flat layout, so frozen parameters never cost
+reduce-scatter bytes. One backward of a unit goes::
+
+    stage()       move the full gradients into a (world_size, segment + tail) buffer — the reduce-scatter input —
+                  and free them (or add them to the no-sync accumulation buffer, which then *is* that input)
+    reduce()      one reduce-scatter of the staged buffer; every rank's rows become (or are added to) its sharded
+                  DTensor ``.grad``
+
+The tail of the buffer is written by every rank into every segment: one "had a gradient" count per trainable
+parameter and the gradients of 0-dim parameters. After the reduce-scatter every rank therefore knows which parameters
+got a gradient on any rank (a parameter unused everywhere keeps ``.grad = None``, as in single-process training) and
+holds the summed 0-dim gradients, with no second collective.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .collectives import reduce_scatter_flat
+from .sharding import FlatLayout, write_grad_into_segments
+
+if TYPE_CHECKING:
+    from .unit import ManagedParam, ShardedUnit
+
+__all__ = ["UnitGradients", "divide_factors"]
+
+
+def divide_factors(world_size: int, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    """(pre, post) divisors whose product is the divide factor (default: the data-parallel size).
+
+    fp16 sums of many ranks overflow and fp16 pre-divided values underflow, so for fp16 the factor is split:
+    pre-divide by the largest power of two not above its square root (exact in binary floating point), post-divide by
+    the rest. Other dtypes have fp32's range: one post-division is the most accurate.
+    """
+    total = float(world_size if divide_factor is None else divide_factor)
+    if reduce_dtype != torch.float16:
+        return 1.0, total
+    pre = 1.0
+    while (pre * 2.0) ** 2 <= total:
+        pre *= 2.0
+    return pre, total / pre
+
+
+class UnitGradients:
+    """The gradient side of a ``ShardedUnit``."""
+
+    def __init__(self, unit: ShardedUnit) -> None:
+        self.unit = unit
+        self.trainable: list[ManagedParam] = []
+        self.layout = FlatLayout.build([], unit.world_size)
+        self.slot: dict[int, int] = {}  # id(ManagedParam) -> slot in ``layout`` (sharded trainable parameters)
+        self.scalar: dict[int, int] = {}  # id(ManagedParam) -> tail column (0-dim trainable parameters)
+        self.accumulated: torch.Tensor | None = None  # no-sync accumulation, in the reduce-scatter layout
+        self.staged: torch.Tensor | None = None  # written this backward, waiting for its reduce-scatter
+        self.locally_seen: set[int] = set()  # parameters with a gradient on this rank since the last reduce
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rebuild the layout from the parameters' cached ``trainable`` flags (the unit keeps those current)."""
+        if self.accumulated is not None or self.staged is not None:
+            raise RuntimeError(
+                f"requires_grad of parameters in the unit rooted at {self.unit.owner_name} changed while "
+                "gradients from no-sync micro-batches are pending; finish the accumulation with a synced backward "
+                "(or zero_grad and start over) before freezing or unfreezing parameters"
+            )
+        self.trainable = [mp for mp in self.unit.params if mp.trainable]
+        sharded = [mp for mp in self.trainable if mp.slot is not None]
+        self.layout = FlatLayout.build([mp.sharded.shape for mp in sharded], self.unit.world_size)
+        self.slot = {id(mp): i for i, mp in enumerate(sharded)}
+        self.scalar = {id(mp): i for i, mp in enumerate(mp for mp in self.trainable if mp.slot is None)}
+
+    @property
+    def tail(self) -> int:
+        return len(self.trainable) + len(self.scalar)
+
+    def has_pending(self) -> bool:
+        return self.accumulated is not None or self.staged is not None
+
+    def _new_buffer(self) -> torch.Tensor:
+        unit = self.unit
+        return torch.empty(
+            unit.world_size, self.layout.segment_numel + self.tail, dtype=unit.reduce_dtype, device=unit.device
+        )
+
+    def _write(self, buffer: torch.Tensor, *, fresh: bool, pre: float) -> None:
+        """Move every trainable full gradient into ``buffer`` (copy when ``fresh``, else add), divided by ``pre``."""
+        world_size = self.unit.world_size
+        segment = self.layout.segment_numel
+        flags = buffer[:, segment : segment + len(self.trainable)]
+        scalars = buffer[:, segment + len(self.trainable) :]
+        for index, mp in enumerate(self.trainable):
+            grad = mp.full.grad if mp.full is not None else None
+            if grad is not None:
+                self.locally_seen.add(id(mp))
+            if id(mp) in self.scalar:
+                column = scalars[:, self.scalar[id(mp)]]
+                if grad is not None:
+                    source = grad.reshape(1).expand(world_size)
+                    column.copy_(source).div_(pre) if fresh else column.add_(source, alpha=1.0 / pre)
+                elif fresh:
+                    column.zero_()
+            elif grad is not None:
+                slot = self.layout.slots[self.slot[id(mp)]]
+                write_grad_into_segments(grad, buffer, slot, accumulate=not fresh, scale=pre)
+            elif fresh:
+                slot = self.layout.slots[self.slot[id(mp)]]
+                buffer[:, slot.offset : slot.offset + slot.numel].zero_()
+            if fresh:
+                flags[:, index].fill_(0.0 if grad is None else 1.0)
+            elif grad is not None:
+                flags[:, index].add_(1.0)
+            if mp.full is not None:
+                mp.full.grad = None
+
+    def accumulate(self, divide_factor: float | None) -> None:
+        """A no-sync micro-batch: add the full gradients into the accumulation buffer and free them."""
+        if not self.trainable or not any(mp.full is not None and mp.full.grad is not None for mp in self.trainable):
+            return
+        pre, _ = divide_factors(self.unit.world_size, divide_factor, self.unit.reduce_dtype)
+        fresh = self.accumulated is None
+        if self.accumulated is None:
+            self.accumulated = self._new_buffer()
+        self._write(self.accumulated, fresh=fresh, pre=pre)
+
+    def stage(self, divide_factor: float | None) -> None:
+        """Write this backward's gradients into the reduce-scatter input: the accumulation buffer when there is
+        one (in place, no second buffer), else a new one. A second stage before the reduce adds to the first."""
+        if not self.trainable:
+            return
+        pre, _ = divide_factors(self.unit.world_size, divide_factor, self.unit.reduce_dtype)
+        if self.staged is None:
+            self.staged, self.accumulated = (self.accumulated, None)
+            fresh = self.staged is None
+            if self.staged is None:
+                self.staged = self._new_buffer()
+        else:
+            fresh = False
+        self._write(self.staged, fresh=fresh, pre=pre)
+
+    def reduce(self, divide_factor: float | None) -> None:
+        """Reduce-scatter the staged buffer and set or add every rank's rows into the sharded ``.grad``."""
+        buffer = self.staged
+        if buffer is None:
+            return
+        self.staged = None
+        unit = self.unit
+        _, post = divide_factors(unit.world_size, divide_factor, unit.reduce_dtype)
+        segment = self.layout.segment_numel
+        output = torch.empty(segment + self.tail, dtype=unit.reduce_dtype, device=unit.device)
+        if unit.world_size == 1:
+            output.copy_(buffer.view(-1))
+        else:
+            reduce_scatter_flat(output, buffer.view(-1), unit.group, async_op=False)
+        del buffer
+        if post != 1.0:
+            output.div_(post)
+        # Reading the flags costs a device sync, so only a rank that lacked a gradient itself reads them.
+        missing_locally = len(self.locally_seen) < len(self.trainable)
+        self.locally_seen = set()
+        had_grad = (output[segment : segment + len(self.trainable)] > 0).tolist() if missing_locally else None
+        for index, mp in enumerate(self.trainable):
+            if had_grad is not None and not had_grad[index]:
+                continue
+            if id(mp) in self.scalar:
+                rows = output[segment + len(self.trainable) + self.scalar[id(mp)]].view(())
+            else:
+                rows = self.layout.shard_view(output, self.slot[id(mp)], unit.rank)
+            self._add_to_sharded_grad(mp, rows)
+
+    def _add_to_sharded_grad(self, mp: ManagedParam, rows: torch.Tensor) -> None:
+        unit = self.unit
+        rows = rows.to(unit.orig_dtype)
+        current = mp.sharded.grad
+        if current is None:
+            placement: Shard | Replicate = Replicate() if mp.slot is None else Shard(0)
+            mp.sharded.grad = DTensor.from_local(
+                rows,
+                unit.mesh,
+                (placement,),
+                run_check=False,
+                shape=mp.sharded.shape,
+                stride=mp.sharded.stride(),
+            )
+        else:
+            cast(DTensor, current)._local_tensor.add_(rows)

@@ -25,6 +25,7 @@ __all__ = [
     "get_state",
     "is_fully_sharded",
     "no_sync",
+    "refresh_trainable",
     "register_forward_method",
     "reshard",
     "set_full_precision_in_eval",
@@ -421,6 +422,19 @@ def set_full_precision_in_eval(module: nn.Module, enabled: bool = True, *, recur
     """
     for state in _states(module, recurse):
         state.full_precision_in_eval = enabled
+
+
+def refresh_trainable(module: nn.Module) -> None:
+    """Catch up with ``requires_grad`` changes now, in every unit under ``module``.
+
+    Needed only with ``auto_refresh_trainable=False``; by default the root checks at every forward (one bool
+    comparison per parameter) and refreshes what changed. Until refreshed, a unit keeps its previous view: a newly
+    frozen parameter still gets (and reduces) gradients, a newly unfrozen one gets none. Every rank must make the same
+    change; under ``frozen_params="replicate"`` a change that moves a parameter between whole and sharded all-gathers
+    it once.
+    """
+    for state in _states(module, True):
+        state.unit.refresh_trainable()
 
 
 class _UnshardingMethod:

@@ -135,6 +135,7 @@ class UnitSpec:
     params: tuple[nn.Parameter, ...]
     reshard_after_forward: bool  # gathered again in backward
     trainable: bool  # reduce-scattered in backward
+    gathered: bool = True  # False: kept whole on every rank (frozen, frozen_params="replicate"), never all-gathered
 
 
 def padded_numel(shape: torch.Size, world_size: int) -> int:
@@ -147,13 +148,17 @@ def padded_numel(shape: torch.Size, world_size: int) -> int:
 def min_collective_bytes(
     units: list[UnitSpec], world_size: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype
 ) -> int:
-    """All-gather in forward, again in backward for resharded units, and one reduce-scatter per trainable unit."""
+    """All-gather in forward, again in backward for resharded units, and one reduce-scatter per trainable unit.
+
+    Units kept whole (``gathered=False``) cost nothing: they are neither gathered nor, being frozen, reduced.
+    """
     param_size = torch.empty((), dtype=param_dtype).element_size()
     reduce_size = torch.empty((), dtype=reduce_dtype).element_size()
     total = 0
     for unit in units:
         numel = sum(padded_numel(p.shape, world_size) for p in unit.params)
-        total += numel * param_size * (2 if unit.reshard_after_forward else 1)
+        if unit.gathered:
+            total += numel * param_size * (2 if unit.reshard_after_forward else 1)
         if unit.trainable:
             total += numel * reduce_size
     return total

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["END_MARKER", "START_MARKER", "render_tables", "write_section"]
+__all__ = ["END_MARKER", "START_MARKER", "markers", "render_tables", "write_section"]
 
 START_MARKER = "<!-- bench:start -->"
 END_MARKER = "<!-- bench:end -->"
@@ -106,6 +106,28 @@ def _notes(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _frozen_summary(results: list[dict[str, Any]], args: Any) -> str:
+    """fsdp_compose's frozen-parameter modes against DDP: peak memory and collective bytes, one line each."""
+    lines = []
+    for res in results:
+        if not res["config"].startswith("frozen"):
+            continue
+        mem, coll = res.get("memory", {}), res["collectives"]
+        fc, ddp = mem.get("fsdp_compose"), mem.get("ddp")
+        mode = "replicate" if res["config"] == "frozen_replicate" else "shard"
+        text = f"- `frozen_params=\"{mode}\"` ({res['config']}): "
+        if args.memory and isinstance(fc, dict) and isinstance(ddp, dict):
+            verdict = "<=" if fc["peak"] <= ddp["peak"] else ">"
+            text += f"peak {fc['peak'] / MIB:.2f} MiB {verdict} DDP's {ddp['peak'] / MIB:.2f} MiB, "
+            text += f"start-of-step {fc['baseline'] / MIB:.2f} MiB; "
+        if "fsdp_compose" in coll:
+            text += f"collectives {coll['fsdp_compose']['bytes'] / MIB:.3f} MiB per step per rank"
+        lines.append(text.rstrip("; ,") + ".")
+    if not lines:
+        return ""
+    return "**Frozen parameters** (every block but the last frozen), fsdp_compose against DDP:\n\n" + "\n".join(lines)
+
+
 def render_tables(results: list[dict[str, Any]], args: Any, command: str, elapsed: float) -> str:
     """The whole report: header, step time, memory, communication, n/a reasons."""
     time_table = _table(TIME_HEADER, [_time_row(r) for r in results])
@@ -129,25 +151,36 @@ def render_tables(results: list[dict[str, Any]], args: Any, command: str, elapse
         "**Collective MiB per step per rank** (all-gather output + reduce-scatter input + all-reduce tensor). "
         "Minimum: all-gather of the padded parameters in forward, again in backward for resharded units "
         "(not the root), reduce-scatter of the padded trainable parameters. DDP: all-reduced gradient bytes, "
-        "computed (its C++ reducer is not hooked); a ring all-reduce moves about twice that.",
+        "computed (its C++ reducer is not hooked); a ring all-reduce moves about twice that. frozen_replicate: "
+        "fsdp_compose keeps frozen parameters whole on every rank, so the minimum counts no all-gather for the "
+        "frozen units (torch FSDP2 has no such option and shards them as in frozen).",
         _table(
             COMM_HEADER,
             [_comm_row(r) for r in results],
         ),
     ]
+    frozen = _frozen_summary(results, args)
+    if frozen:
+        parts.append(frozen)
     notes = _notes(results)
     if notes:
         parts.append(notes)
     return "\n\n".join(parts) + "\n"
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replace the text between the bench markers in ``path`` (appended, or a new file, when absent)."""
-    section = f"{START_MARKER}\n{body}{END_MARKER}"
+def markers(name: str) -> tuple[str, str]:
+    """The start and end markers of the section ``name`` (``bench``: run.py's)."""
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+def write_section(path: Path, body: str, name: str = "bench") -> None:
+    """Replace the text between the ``name`` markers in ``path`` (appended, or a new file, when absent)."""
+    start_marker, end_marker = markers(name)
+    section = f"{start_marker}\n{body}{end_marker}"
     text = path.read_text() if path.exists() else "# Benchmarks\n\nSee benchmarks/README.md for what is measured.\n"
-    start, end = text.find(START_MARKER), text.find(END_MARKER)
+    start, end = text.find(start_marker), text.find(end_marker)
     if start != -1 and end > start:
-        text = text[:start] + section + text[end + len(END_MARKER) :]
+        text = text[:start] + section + text[end + len(end_marker) :]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """fsdp_compose vs torch FSDP2 (``torch.distributed.fsdp.fully_shard``) vs DDP on the example GPT, gloo CPU ranks.
 
-    python benchmarks/run.py --nproc 2 --configs fp32 bf16 frozen no_reshard [--write docs/benchmarks.md]
+    python benchmarks/run.py --nproc 2 --configs fp32 bf16 frozen frozen_replicate no_reshard [--write docs/benchmarks.md]
 
 Spawns ``--nproc`` gloo ranks (one torch thread each). Per config, every rank builds the three models from the same
 seed and trains them on the same batches, interleaving steps A, B, C, A, B, C, ... with a barrier before and after
@@ -55,12 +55,14 @@ class Variant:
     bf16: bool = False  # FSDPs: param_dtype=bf16, reduce_dtype=fp32; DDP: bf16 autocast
     frozen: bool = False  # every block but the last has requires_grad=False
     no_reshard: bool = False  # reshard_after_forward=False on every unit (FSDPs)
+    frozen_params: str = "shard"  # fsdp_compose only: "replicate" keeps frozen parameters whole on every rank
 
 
 VARIANTS = {
     "fp32": Variant("fp32"),
     "bf16": Variant("bf16", bf16=True),
     "frozen": Variant("frozen", frozen=True),
+    "frozen_replicate": Variant("frozen_replicate", frozen=True, frozen_params="replicate"),
     "no_reshard": Variant("no_reshard", no_reshard=True),
 }
 
@@ -115,6 +117,8 @@ def _shard_kwargs(name: str, variant: Variant) -> dict[str, Any]:
     if variant.bf16:
         policy = fc.MixedPrecisionPolicy if name == "fsdp_compose" else TorchMixedPrecisionPolicy
         kwargs["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if name == "fsdp_compose" and variant.frozen_params != "shard":
+        kwargs["frozen_params"] = variant.frozen_params  # torch FSDP2 has no such option: it shards them
     return kwargs
 
 
@@ -213,15 +217,19 @@ def measure_memory(name: str, variant: Variant, args: BenchArgs, mesh: DeviceMes
 
 
 def unit_specs(args: BenchArgs, variant: Variant) -> list[UnitSpec]:
-    """The units the recipe creates (each block, then the root's remaining parameters)."""
+    """The units the recipe creates (each block, then the root's remaining parameters).
+
+    Under ``frozen_params="replicate"`` a frozen unit's parameters are kept whole on every rank: not gathered.
+    """
     with torch.device("meta"):
         model = GPT(args.gpt_config())
     block_ids = {id(p) for p in model.blocks.parameters()}
     last = len(model.blocks) - 1
-    units = [
-        UnitSpec(tuple(block.parameters()), not variant.no_reshard, not variant.frozen or i == last)
-        for i, block in enumerate(model.blocks)
-    ]
+    units = []
+    for i, block in enumerate(model.blocks):
+        trainable = not variant.frozen or i == last
+        gathered = trainable or variant.frozen_params != "replicate"
+        units.append(UnitSpec(tuple(block.parameters()), not variant.no_reshard, trainable, gathered))
     root = tuple(p for p in model.parameters() if id(p) not in block_ids)
     units.append(UnitSpec(root, reshard_after_forward=False, trainable=True))  # the root keeps its parameters
     return units

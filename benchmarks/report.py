@@ -115,7 +115,7 @@ def _frozen_summary(results: list[dict[str, Any]], args: Any) -> str:
         mem, coll = res.get("memory", {}), res["collectives"]
         fc, ddp = mem.get("fsdp_compose"), mem.get("ddp")
         mode = "replicate" if res["config"] == "frozen_replicate" else "shard"
-        text = f"- `frozen_params=\"{mode}\"` ({res['config']}): "
+        text = f'- `frozen_params="{mode}"` ({res["config"]}): '
         if args.memory and isinstance(fc, dict) and isinstance(ddp, dict):
             verdict = "<=" if fc["peak"] <= ddp["peak"] else ">"
             text += f"peak {fc['peak'] / MIB:.2f} MiB {verdict} DDP's {ddp['peak'] / MIB:.2f} MiB, "

@@ -1,6 +1,6 @@
 """fsdp_compose vs torch FSDP2 (``torch.distributed.fsdp.fully_shard``) vs DDP on the example GPT, gloo CPU ranks.
 
-    python benchmarks/run.py --nproc 2 --configs fp32 bf16 frozen frozen_replicate no_reshard [--write docs/benchmarks.md]
+    python benchmarks/run.py --nproc 2 --configs fp32 bf16 frozen frozen_replicate no_reshard [--write PATH]
 
 Spawns ``--nproc`` gloo ranks (one torch thread each). Per config, every rank builds the three models from the same
 seed and trains them on the same batches, interleaving steps A, B, C, A, B, C, ... with a barrier before and after

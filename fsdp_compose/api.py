@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from .meshes import check_dp_mesh, param_placing
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
 from .unit import MOVED_ATTR, OWNER_ATTR, ShardedUnit
@@ -31,6 +32,7 @@ __all__ = [
     "set_full_precision_in_eval",
     "set_gradient_accumulation",
     "set_gradient_divide_factor",
+    "set_requires_all_reduce",
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
@@ -88,6 +90,7 @@ def fully_shard(
     params, lifts = _collect_params(modules, ignored, owner_name)
     device = _mesh_device(mesh)
     _check_params(params, shard_placement_fn, owner_name)
+    placings = [param_placing(fqn, p, mesh, owner_name) for fqn, p, _ in params]
 
     # Everything is validated: from here on the model changes.
     for m in modules:
@@ -95,7 +98,9 @@ def fully_shard(
     owners_of = {id(p): owners for _, p, owners in params}
     for child_state, param in lifts:  # tied parameters move up from a submodule's unit into this one
         owners_of[id(param)].extend(child_state.unit.release(param))
-    unit = ShardedUnit(params, mesh, device, mp_policy.param_dtype, mp_policy.reduce_dtype, owner_name, frozen_params)
+    unit = ShardedUnit(
+        params, placings, mesh, device, mp_policy.param_dtype, mp_policy.reduce_dtype, owner_name, frozen_params
+    )
     state = ShardState(
         tuple(modules),
         unit,
@@ -145,11 +150,7 @@ def _resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; build one with "
             'init_device_mesh("cuda", (world_size,))'
         )
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"fully_shard supports a 1-D mesh for now, got a {mesh.ndim}-D mesh {mesh.mesh_dim_names or ''}; pass "
-            'the data-parallel dimension, e.g. mesh["dp"]'
-        )
+    check_dp_mesh(mesh)
     return mesh
 
 
@@ -261,11 +262,6 @@ def _check_params(
             "(or to 'meta') before fully_shard"
         )
     for fqn, param, _ in params:
-        if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"parameter '{fqn}' of {owner_name} is already a DTensor (tensor parallel?); composing fully_shard "
-                "with tensor parallel is not supported yet"
-            )
         if not param.is_floating_point() and not param.is_complex():
             raise TypeError(
                 f"parameter '{fqn}' of {owner_name} has dtype {param.dtype}; only floating-point parameters can be "
@@ -393,6 +389,16 @@ def set_gradient_divide_factor(module: nn.Module, factor: float, *, recurse: boo
         raise ValueError(f"gradient divide factor must be positive, got {factor}")
     for state in _states(module, recurse):
         state.gradient_divide_factor = float(factor)
+
+
+def set_requires_all_reduce(module: nn.Module, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+    """HSDP: skip (False) or do (True) the all-reduce over replicas after each reduce-scatter.
+
+    With sharded accumulation, skip it on all micro-batches but the last: the reduce-scattered shards add up locally
+    and the last micro-batch all-reduces their sum once.
+    """
+    for state in _states(module, recurse):
+        state.requires_all_reduce = requires_all_reduce
 
 
 def set_gradient_accumulation(module: nn.Module, mode: GradientAccumulation, *, recurse: bool = True) -> None:

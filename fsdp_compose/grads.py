@@ -6,8 +6,9 @@ reduce-scatter bytes. One backward of a unit goes::
 
     stage()       move the full gradients into a (world_size, segment + tail) buffer — the reduce-scatter input —
                   and free them (or add them to the no-sync accumulation buffer, which then *is* that input)
-    reduce()      one reduce-scatter of the staged buffer; every rank's rows become (or are added to) its sharded
-                  DTensor ``.grad``
+    reduce()      one reduce-scatter of the staged buffer over the shard group; for HSDP then an asynchronous
+                  all-reduce over the replicate group, which overlaps the next units' backward
+    finish()      wait for that all-reduce; every rank's rows become (or are added to) its sharded DTensor ``.grad``
 
 The tail of the buffer is written by every rank into every segment: one "had a gradient" count per trainable
 parameter and the gradients of 0-dim parameters. After the reduce-scatter every rank therefore knows which parameters
@@ -20,9 +21,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from .collectives import reduce_scatter_flat
+from .collectives import Work, all_reduce, reduce_scatter_flat
 from .sharding import FlatLayout, write_grad_into_segments
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ __all__ = ["UnitGradients", "divide_factors"]
 
 
 def divide_factors(world_size: int, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
-    """(pre, post) divisors whose product is the divide factor (default: the data-parallel size).
+    """(pre, post) divisors whose product is the divide factor (default: the data-parallel size, replicas included).
 
     fp16 sums of many ranks overflow and fp16 pre-divided values underflow, so for fp16 the factor is split:
     pre-divide by the largest power of two not above its square root (exact in binary floating point), post-divide by
@@ -58,6 +59,9 @@ class UnitGradients:
         self.scalar: dict[int, int] = {}  # id(ManagedParam) -> tail column (0-dim trainable parameters)
         self.accumulated: torch.Tensor | None = None  # no-sync accumulation, in the reduce-scatter layout
         self.staged: torch.Tensor | None = None  # written this backward, waiting for its reduce-scatter
+        # reduced, not finished: (all-reduce work or None, output, divide factor, whether to read the flags)
+        self.in_flight: tuple[Work | None, torch.Tensor, float | None, bool] | None = None
+        self.unreduced_over_replicas: torch.Tensor | None = None  # HSDP partial sums while all-reduce is skipped
         self.locally_seen: set[int] = set()  # parameters with a gradient on this rank since the last reduce
         self.refresh()
 
@@ -71,7 +75,7 @@ class UnitGradients:
             )
         self.trainable = [mp for mp in self.unit.params if mp.trainable]
         sharded = [mp for mp in self.trainable if mp.slot is not None]
-        self.layout = FlatLayout.build([mp.sharded.shape for mp in sharded], self.unit.world_size)
+        self.layout = FlatLayout.build([mp.placing.local_shape for mp in sharded], self.unit.world_size)
         self.slot = {id(mp): i for i, mp in enumerate(sharded)}
         self.scalar = {id(mp): i for i, mp in enumerate(mp for mp in self.trainable if mp.slot is None)}
 
@@ -80,7 +84,12 @@ class UnitGradients:
         return len(self.trainable) + len(self.scalar)
 
     def has_pending(self) -> bool:
-        return self.accumulated is not None or self.staged is not None
+        return (
+            self.accumulated is not None
+            or self.staged is not None
+            or self.in_flight is not None
+            or self.unreduced_over_replicas is not None
+        )
 
     def _new_buffer(self) -> torch.Tensor:
         unit = self.unit
@@ -95,7 +104,7 @@ class UnitGradients:
         flags = buffer[:, segment : segment + len(self.trainable)]
         scalars = buffer[:, segment + len(self.trainable) :]
         for index, mp in enumerate(self.trainable):
-            grad = mp.full.grad if mp.full is not None else None
+            grad = _local_grad(mp)
             if grad is not None:
                 self.locally_seen.add(id(mp))
             if id(mp) in self.scalar:
@@ -122,7 +131,7 @@ class UnitGradients:
         """A no-sync micro-batch: add the full gradients into the accumulation buffer and free them."""
         if not self.trainable or not any(mp.full is not None and mp.full.grad is not None for mp in self.trainable):
             return
-        pre, _ = divide_factors(self.unit.world_size, divide_factor, self.unit.reduce_dtype)
+        pre, _ = divide_factors(self.unit.dp.size, divide_factor, self.unit.reduce_dtype)
         fresh = self.accumulated is None
         if self.accumulated is None:
             self.accumulated = self._new_buffer()
@@ -133,7 +142,8 @@ class UnitGradients:
         one (in place, no second buffer), else a new one. A second stage before the reduce adds to the first."""
         if not self.trainable:
             return
-        pre, _ = divide_factors(self.unit.world_size, divide_factor, self.unit.reduce_dtype)
+        self.finish()  # a second use of the unit in one backward: its first reduction completes first
+        pre, _ = divide_factors(self.unit.dp.size, divide_factor, self.unit.reduce_dtype)
         if self.staged is None:
             self.staged, self.accumulated = (self.accumulated, None)
             fresh = self.staged is None
@@ -143,14 +153,17 @@ class UnitGradients:
             fresh = False
         self._write(self.staged, fresh=fresh, pre=pre)
 
-    def reduce(self, divide_factor: float | None) -> None:
-        """Reduce-scatter the staged buffer and set or add every rank's rows into the sharded ``.grad``."""
+    def reduce(self, divide_factor: float | None, *, all_reduce_replicas: bool = True) -> None:
+        """Reduce-scatter the staged buffer over the shard group; for HSDP start the all-reduce over replicas.
+
+        With ``all_reduce_replicas=False`` (HSDP, accumulating), the reduce-scattered shard is kept as a partial
+        sum over this replica's ranks; the next reduction that does all-reduce adds it in first.
+        """
         buffer = self.staged
         if buffer is None:
             return
         self.staged = None
         unit = self.unit
-        _, post = divide_factors(unit.world_size, divide_factor, unit.reduce_dtype)
         segment = self.layout.segment_numel
         output = torch.empty(segment + self.tail, dtype=unit.reduce_dtype, device=unit.device)
         if unit.world_size == 1:
@@ -158,11 +171,38 @@ class UnitGradients:
         else:
             reduce_scatter_flat(output, buffer.view(-1), unit.group, async_op=False)
         del buffer
-        if post != 1.0:
-            output.div_(post)
         # Reading the flags costs a device sync, so only a rank that lacked a gradient itself reads them.
         missing_locally = len(self.locally_seen) < len(self.trainable)
         self.locally_seen = set()
+        replicas = unit.dp.replicate_group
+        if replicas is not None and not all_reduce_replicas:
+            if self.unreduced_over_replicas is None:
+                self.unreduced_over_replicas = output
+            else:
+                self.unreduced_over_replicas.add_(output)
+            return
+        if self.unreduced_over_replicas is not None:
+            output.add_(self.unreduced_over_replicas)
+            self.unreduced_over_replicas = None
+            missing_locally = True  # the flags then count every micro-batch: read them
+        work = all_reduce(output, replicas, async_op=True) if replicas is not None else None
+        self.in_flight = (work, output, divide_factor, missing_locally)
+        if work is None:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the all-reduce over replicas (HSDP) and hand every rank its rows as sharded ``.grad``."""
+        if self.in_flight is None:
+            return
+        work, output, divide_factor, missing_locally = self.in_flight
+        self.in_flight = None
+        if work is not None:
+            work.wait()
+        unit = self.unit
+        segment = self.layout.segment_numel
+        _, post = divide_factors(unit.dp.size, divide_factor, unit.reduce_dtype)
+        if post != 1.0:
+            output.div_(post)
         had_grad = (output[segment : segment + len(self.trainable)] > 0).tolist() if missing_locally else None
         for index, mp in enumerate(self.trainable):
             if had_grad is not None and not had_grad[index]:
@@ -174,18 +214,28 @@ class UnitGradients:
             self._add_to_sharded_grad(mp, rows)
 
     def _add_to_sharded_grad(self, mp: ManagedParam, rows: torch.Tensor) -> None:
-        unit = self.unit
-        rows = rows.to(unit.orig_dtype)
+        rows = rows.to(self.unit.orig_dtype)
         current = mp.sharded.grad
         if current is None:
-            placement: Shard | Replicate = Replicate() if mp.slot is None else Shard(0)
             mp.sharded.grad = DTensor.from_local(
                 rows,
-                unit.mesh,
-                (placement,),
+                mp.sharded.device_mesh,
+                mp.sharded.placements,
                 run_check=False,
                 shape=mp.sharded.shape,
                 stride=mp.sharded.stride(),
             )
         else:
             cast(DTensor, current)._local_tensor.add_(rows)
+
+
+def _local_grad(mp: ManagedParam) -> torch.Tensor | None:
+    """The full parameter's gradient as the tensor FSDP shards: the TP-local gradient of a TP parameter."""
+    if mp.full is None or mp.full.grad is None:
+        return None
+    grad = mp.full.grad
+    if isinstance(grad, DTensor):
+        if tuple(grad.placements) != mp.placing.tp_placements:
+            grad = grad.redistribute(grad.device_mesh, mp.placing.tp_placements)
+        return grad.to_local()
+    return grad

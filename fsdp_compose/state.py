@@ -106,6 +106,7 @@ class ShardState:
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float | None = None
         self.gradient_accumulation: GradientAccumulation = "unsharded"
+        self.requires_all_reduce = True  # HSDP: all-reduce over replicas after the reduce-scatter
         self.full_precision_in_eval = False
         # Set at lazy init.
         self.root: ShardState | None = None
@@ -269,7 +270,7 @@ class ShardState:
         elif grads.trainable:
             grads.stage(self.gradient_divide_factor)
             if self.reduce_issued:  # a second use of the unit in this backward: its turn has passed, go now
-                grads.reduce(self.gradient_divide_factor)
+                grads.reduce(self.gradient_divide_factor, all_reduce_replicas=self.requires_all_reduce)
             elif self.root is not None:
                 self.root._issue_reductions_in_order()
         if self.reshard_after_backward:
@@ -289,7 +290,7 @@ class ShardState:
             if state.reduces_now and state.unit.grads.trainable:
                 if state.unit.grads.staged is None:
                     return
-                state.unit.grads.reduce(state.gradient_divide_factor)
+                state.unit.grads.reduce(state.gradient_divide_factor, all_reduce_replicas=state.requires_all_reduce)
                 state.reduce_issued = True
             self.next_reduction += 1
 
@@ -309,6 +310,7 @@ class ShardState:
                 state.unit.reshard()
         self._issue_reductions_in_order()
         for state in self.root_states:
+            state.unit.grads.finish()  # HSDP all-reduces overlapped the rest of backward; wait for them now
             state._reset_step()
 
     # ------------------------------------------------------------------ copy.deepcopy

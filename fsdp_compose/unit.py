@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement
 
 from .collectives import Work, all_gather_flat
 from .grads import UnitGradients
+from .meshes import DataParallelMesh, ParamPlacing
 from .sharding import FlatLayout, copy_param_from_segments, local_rows
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class ManagedParam:
 
     fqn: str
     owners: list[tuple[nn.Module, str]]
+    placing: ParamPlacing
     sharded: DTensor  # an nn.Parameter holding a DTensor
     slot: int | None  # index into the unit's FlatLayout; None: kept whole on every rank
     trainable: bool  # requires_grad as of the last trainability refresh
@@ -73,11 +75,14 @@ class ManagedParam:
 
 
 def _make_sharded_param(
-    local: torch.Tensor, mesh: DeviceMesh, placement: Shard | Replicate, shape: torch.Size, requires_grad: bool
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+    requires_grad: bool,
 ) -> DTensor:
-    dtensor = DTensor.from_local(
-        local, mesh, (placement,), run_check=False, shape=shape, stride=_contiguous_stride(shape)
-    )
+    dtensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
     param = nn.Parameter(dtensor, requires_grad=requires_grad)
     _install_copier(param)
     return cast(DTensor, param)
@@ -101,10 +106,13 @@ class _ShardedParamCopier:
     def __call__(self, memo: dict[int, Any]) -> DTensor:
         param = self._param
         assert isinstance(param, DTensor)
-        placement = param.placements[0]
-        assert isinstance(placement, (Shard, Replicate))
         new = _make_sharded_param(
-            param._local_tensor.detach().clone(), param.device_mesh, placement, param.shape, param.requires_grad
+            param._local_tensor.detach().clone(),
+            param.device_mesh,
+            tuple(param.placements),
+            param.shape,
+            tuple(param.stride()),
+            param.requires_grad,
         )
         memo[id(param)] = new
         grad = param.grad
@@ -123,12 +131,28 @@ class _ShardedParamCopier:
         return new
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
+def _make_full_param(
+    local: torch.Tensor, placing: ParamPlacing, requires_grad: bool
+) -> tuple[nn.Parameter, torch.Tensor]:
+    """The parameter forward/backward use, and the tensor the all-gather writes into.
+
+    A plain parameter, or for a TP parameter a DTensor with its TP placements (TP modules expect DTensor weights).
+    Writes go through ``.data`` of the local tensor, which has its own version counter, so refilling the storage
+    after a reshard does not trip autograd's check on tensors saved in forward.
+    """
+    if placing.tp_mesh is None:
+        full = nn.Parameter(local, requires_grad=requires_grad)
+        return full, full.data
+    dtensor = DTensor.from_local(
+        local,
+        placing.tp_mesh,
+        placing.tp_placements,
+        run_check=False,
+        shape=placing.global_shape,
+        stride=placing.global_stride,
+    )
+    full = nn.Parameter(dtensor, requires_grad=requires_grad)
+    return full, cast(DTensor, full)._local_tensor.data
 
 
 class ShardedUnit:
@@ -137,6 +161,7 @@ class ShardedUnit:
     def __init__(
         self,
         params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+        placings: list[ParamPlacing],
         mesh: DeviceMesh,
         device: torch.device,
         param_dtype: torch.dtype | None,
@@ -144,10 +169,11 @@ class ShardedUnit:
         owner_name: str,
         frozen_params: str = "shard",
     ) -> None:
-        self.mesh = mesh
-        self.group: dist.ProcessGroup = mesh.get_group(0)
-        self.rank = mesh.get_local_rank(0)
-        self.world_size = mesh.size(0)
+        self.dp = DataParallelMesh.of(mesh)
+        # The flat layout, the all-gather and the reduce-scatter run over the shard group.
+        self.group: dist.ProcessGroup = self.dp.shard_group
+        self.rank = self.dp.shard_rank
+        self.world_size = self.dp.shard_size
         self.device = device
         self.owner_name = owner_name
         self.frozen_params = frozen_params
@@ -157,13 +183,13 @@ class ShardedUnit:
         self.orig_dtype: torch.dtype = dtypes[0]
         self.param_dtype = param_dtype or self.orig_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        shapes = [p.shape for _, p, _ in params]
         trainable = [p.requires_grad for _, p, _ in params]
-        whole = [self._kept_whole(len(shape), t) for shape, t in zip(shapes, trainable, strict=True)]
-        news, slots = self._build_flat(shapes, [p.detach() for _, p, _ in params], whole, trainable, are_full=True)
+        whole = [self._kept_whole(len(pl.global_shape), t) for pl, t in zip(placings, trainable, strict=True)]
+        values = [(p.to_local() if isinstance(p, DTensor) else p).detach() for _, p, _ in params]
+        news, slots = self._build_flat(placings, values, whole, trainable, are_full=True)
         self.params = [
-            ManagedParam(fqn, owners, new, slot, trainable=p.requires_grad, original=weakref.ref(p))
-            for (fqn, p, owners), new, slot in zip(params, news, slots, strict=True)
+            ManagedParam(fqn, owners, placing, new, slot, trainable=p.requires_grad, original=weakref.ref(p))
+            for (fqn, p, owners), placing, new, slot in zip(params, placings, news, slots, strict=True)
         ]
         for mp in self.params:
             self._installed(mp)
@@ -177,7 +203,7 @@ class ShardedUnit:
 
     def _build_flat(
         self,
-        shapes: list[torch.Size],
+        placings: list[ParamPlacing],
         values: list[torch.Tensor],
         whole: list[bool],
         requires_grad: list[bool],
@@ -186,10 +212,11 @@ class ShardedUnit:
     ) -> tuple[list[DTensor], list[int | None]]:
         """A new ``flat`` holding the sharded parameters' rows; new DTensor parameters over it (and whole ones).
 
-        ``values`` are full tensors (``are_full``) or this rank's local shards.
+        ``values`` are the tensors FSDP shards (the TP-local tensor of a TP parameter) in full (``are_full``), or
+        this rank's shards of them.
         """
         sharded = [i for i, w in enumerate(whole) if not w]
-        self.layout = FlatLayout.build([shapes[i] for i in sharded], self.world_size)
+        self.layout = FlatLayout.build([placings[i].local_shape for i in sharded], self.world_size)
         on_meta = any(v.is_meta for v in values)
         self.flat = torch.zeros(
             self.layout.segment_numel, dtype=self.orig_dtype, device="meta" if on_meta else self.device
@@ -200,15 +227,27 @@ class ShardedUnit:
         news = []
         for i, value in enumerate(values):
             slot = slots[i]
+            placing = placings[i]
             if slot is None:
                 local = value.detach().to(self.flat.device, copy=True)
-                placement: Shard | Replicate = Replicate()
             else:
                 local = self.layout.shard_view(self.flat, slot, self.rank)
                 with torch.no_grad():
                     local.copy_(local_rows(value, self.rank, self.world_size) if are_full else value)
-                placement = Shard(0)
-            news.append(_make_sharded_param(local, self.mesh, placement, shapes[i], requires_grad[i]))
+            placements = (
+                *self.dp.placements(whole=slot is None, split_factor=placing.split_factor),
+                *placing.tp_placements,
+            )
+            news.append(
+                _make_sharded_param(
+                    local,
+                    placing.spmd_mesh,
+                    placements,
+                    placing.global_shape,
+                    placing.global_stride,
+                    requires_grad[i],
+                )
+            )
         return news, slots
 
     def _installed(self, mp: ManagedParam) -> None:
@@ -225,7 +264,7 @@ class ShardedUnit:
         """
         whole = [self._kept_whole(len(mp.sharded.shape), mp.trainable) for mp in self.params]
         news, slots = self._build_flat(
-            [mp.sharded.shape for mp in self.params],
+            [mp.placing for mp in self.params],
             values,
             whole,
             [mp.sharded.requires_grad for mp in self.params],
@@ -298,6 +337,7 @@ class ShardedUnit:
             ManagedParam(
                 mp.fqn,
                 [(copy.deepcopy(module, memo), name) for module, name in mp.owners],
+                mp.placing,
                 copy.deepcopy(mp.sharded, memo),
                 mp.slot,
                 trainable=mp.trainable,
@@ -416,11 +456,10 @@ class ShardedUnit:
         """The full parameter's ``.data`` with storage allocated (created on first use, resized back after)."""
         if mp.full is None or mp.full.dtype != self.param_dtype:
             if mp.slot is None and self.param_dtype == self.orig_dtype:
-                mp.full = nn.Parameter(mp.sharded._local_tensor, requires_grad=mp.trainable)  # whole: no copy
+                local = mp.sharded._local_tensor  # whole: the full parameter aliases it, no copy
             else:
-                empty = torch.empty(mp.sharded.shape, dtype=self.param_dtype, device=self.device)
-                mp.full = nn.Parameter(empty, requires_grad=mp.trainable)
-            mp.full_data = mp.full.data
+                local = torch.empty(mp.placing.local_shape, dtype=self.param_dtype, device=self.device)
+            mp.full, mp.full_data = _make_full_param(local, mp.placing, mp.trainable)
         assert mp.full_data is not None
         storage = mp.full_data.untyped_storage()
         needed = mp.full_data.numel() * mp.full_data.element_size()

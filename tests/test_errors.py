@@ -34,8 +34,12 @@ def _errors_at_shard_time(rank: int, ws: int) -> None:
 
     _expect(TypeError, "DeviceMesh", fc.fully_shard, model, mesh="not a mesh")
     _assert_untouched(model, before)
-    mesh_2d = init_device_mesh("cpu", (1, ws), mesh_dim_names=("replicate", "shard"))
-    _expect(ValueError, "1-D mesh", fc.fully_shard, model, mesh=mesh_2d)
+    unnamed_2d = init_device_mesh("cpu", (1, ws))
+    _expect(ValueError, "needs mesh_dim_names, \\(replicate, shard\\)", fc.fully_shard, model, mesh=unnamed_2d)
+    swapped = init_device_mesh("cpu", (ws, 1), mesh_dim_names=("shard", "replicate"))
+    _expect(ValueError, "look swapped: an HSDP mesh is \\(replicate, shard\\)", fc.fully_shard, model, mesh=swapped)
+    mesh_3d = init_device_mesh("cpu", (1, 1, ws), mesh_dim_names=("a", "b", "c"))
+    _expect(ValueError, "1-D \\(shard\\) or 2-D \\(replicate, shard\\)", fc.fully_shard, model, mesh=mesh_3d)
     _assert_untouched(model, before)
     _expect(TypeError, "nn.Module", fc.fully_shard, [model, "x"], mesh=mesh)
     _expect(TypeError, "MixedPrecisionPolicy", fc.fully_shard, model, mesh=mesh, mp_policy=torch.bfloat16)
@@ -65,11 +69,13 @@ def _errors_at_shard_time(rank: int, ws: int) -> None:
     fc.fully_shard(counted, mesh=mesh, ignored_params={counted.steps})
     assert not isinstance(counted.steps, DTensor)
 
-    # a DTensor parameter (tensor parallel) is not composed yet
+    # a tensor-parallel parameter on a mesh that does not share a root with the data-parallel mesh
+    other_root = init_device_mesh("cpu", (ws, 1), mesh_dim_names=("dp", "tp"))
     tp_like = nn.Linear(4, 4)
-    tp_like.weight = nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
+    tp_like.weight = nn.Parameter(distribute_tensor(torch.randn(4, 4), other_root["tp"], [Shard(0)]))
     before = _snapshot(tp_like)
-    _expect(NotImplementedError, "'weight'.*already a DTensor", fc.fully_shard, tp_like, mesh=mesh)
+    _expect(ValueError, "'weight' of Linear is a DTensor on a mesh .* does not share a root", fc.fully_shard, tp_like,
+            mesh=mesh)
     _assert_untouched(tp_like, before)
 
 

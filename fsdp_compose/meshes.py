@@ -1,0 +1,163 @@
+"""Mesh roles and where each parameter lives.
+
+The ``mesh`` given to ``fully_shard`` is the data-parallel mesh: 1-D (shard) or 2-D (replicate, shard) for HSDP.
+A parameter that is already a DTensor (tensor parallel, from ``parallelize_module`` on a mesh sharing the same root
+mesh) keeps its TP placements; FSDP shards its *local* TP tensor on dim 0. The resulting DTensor lives on the
+combined mesh, data-parallel dims first::
+
+    1-D FSDP           (Shard(0),)
+    HSDP               (Replicate(), Shard(0))
+    FSDP + TP          (Shard(0) | _StridedShard(0, split_factor=tp), *tp_placements)
+    HSDP + TP          (Replicate(), Shard(0) | _StridedShard(...), *tp_placements)
+
+``_StridedShard`` says that dim 0 was split by TP first and then by FSDP, so ``full_tensor()`` reassembles rows in
+the right order. Parameters kept whole (0-dim, or frozen under ``frozen_params="replicate"``) use ``Replicate()``
+on the data-parallel dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+__all__ = ["DataParallelMesh", "ParamPlacing", "check_dp_mesh", "param_placing"]
+
+
+def check_dp_mesh(mesh: DeviceMesh) -> None:
+    """Raise a clear error for a mesh ``fully_shard`` cannot use (before anything is touched)."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard takes a 1-D (shard) or 2-D (replicate, shard) data-parallel mesh, got {mesh.ndim}-D "
+            f"{mesh.mesh_dim_names or ''}; for FSDP + TP pass the data-parallel part, e.g. mesh['dp'] or "
+            "mesh['replicate', 'shard']"
+        )
+    if mesh.ndim == 2:
+        names = mesh.mesh_dim_names
+        if names is None:
+            raise ValueError(
+                "a 2-D mesh for HSDP needs mesh_dim_names, (replicate, shard) in that order: "
+                'init_device_mesh(device, (replicas, shards), mesh_dim_names=("replicate", "shard"))'
+            )
+        first, second = (n.lower() for n in names)
+        if "shard" in first and "rep" in second:
+            raise ValueError(
+                f"mesh dims {names} look swapped: an HSDP mesh is (replicate, shard) — replicas on dim 0, the "
+                "shard group on dim 1; build it with mesh_dim_names=(replicate, shard)"
+            )
+
+
+@dataclass(frozen=True)
+class DataParallelMesh:
+    """The data-parallel mesh's roles: the shard group (gathers, reduce-scatters) and the optional replicate group."""
+
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup
+    shard_rank: int
+    shard_size: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_size: int
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh) -> DataParallelMesh:
+        shard_dim = mesh.ndim - 1
+        replicate = mesh.ndim == 2
+        return cls(
+            mesh=mesh,
+            shard_group=mesh.get_group(shard_dim),
+            shard_rank=mesh.get_local_rank(shard_dim),
+            shard_size=mesh.size(shard_dim),
+            replicate_group=mesh.get_group(0) if replicate else None,
+            replicate_size=mesh.size(0) if replicate else 1,
+        )
+
+    @property
+    def size(self) -> int:
+        """All data-parallel ranks: gradients are averaged over replicate x shard."""
+        return self.shard_size * self.replicate_size
+
+    def placements(self, *, whole: bool, split_factor: int) -> tuple[Placement, ...]:
+        if whole:
+            shard: Placement = Replicate()
+        elif split_factor > 1:
+            shard = _StridedShard(0, split_factor=split_factor)
+        else:
+            shard = Shard(0)
+        return (Replicate(), shard) if self.replicate_group is not None else (shard,)
+
+
+@dataclass(frozen=True)
+class ParamPlacing:
+    """Where one parameter lives before FSDP (TP part) and what FSDP shards (``local_shape``'s dim 0)."""
+
+    global_shape: torch.Size
+    global_stride: tuple[int, ...]
+    local_shape: torch.Size  # the TP-local shape, or the global shape for a plain tensor
+    spmd_mesh: DeviceMesh  # data-parallel dims, then TP dims
+    tp_mesh: DeviceMesh | None
+    tp_placements: tuple[Placement, ...]
+
+    @property
+    def split_factor(self) -> int:
+        """How many TP pieces dim 0 was already cut into (1 when TP does not shard dim 0)."""
+        factor = 1
+        assert self.tp_mesh is None or self.tp_mesh.ndim == len(self.tp_placements)
+        for dim, placement in enumerate(self.tp_placements):
+            if isinstance(placement, Shard) and placement.dim == 0:
+                assert self.tp_mesh is not None
+                factor *= self.tp_mesh.size(dim)
+        return factor
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _root(mesh: DeviceMesh) -> DeviceMesh:
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    return get_root() if callable(get_root) else mesh
+
+
+def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str) -> ParamPlacing:
+    """The placing of ``param`` under ``dp_mesh``; raises a clear error for a DTensor FSDP cannot compose with."""
+    if not isinstance(param, DTensor):
+        return ParamPlacing(param.shape, contiguous_stride(param.shape), param.shape, dp_mesh, None, ())
+    tp_mesh = param.device_mesh
+    if _root(tp_mesh) is not _root(dp_mesh):
+        raise ValueError(
+            f"parameter '{fqn}' of {owner} is a DTensor on a mesh {tp_mesh.mesh_dim_names or tp_mesh} that does not "
+            f"share a root mesh with the data-parallel mesh {dp_mesh.mesh_dim_names or dp_mesh}; build both from one "
+            'init_device_mesh(..., mesh_dim_names=("dp", "tp")) and pass mesh["dp"] to fully_shard'
+        )
+    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    if dp_names is None or tp_names is None or set(dp_names) & set(tp_names):
+        raise ValueError(
+            f"parameter '{fqn}' of {owner}: the data-parallel mesh {dp_names} and the tensor-parallel mesh {tp_names} "
+            "need distinct mesh_dim_names (e.g. 'dp' and 'tp') from one init_device_mesh call"
+        )
+    for placement in param.placements:
+        if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, _StridedShard):
+            raise ValueError(
+                f"parameter '{fqn}' of {owner} has tensor-parallel placement {placement}; fully_shard composes with "
+                "Shard(dim) and Replicate() parameters"
+            )
+    if param.ndim == 0:
+        raise ValueError(f"parameter '{fqn}' of {owner} is a 0-dim DTensor; keep it out of tensor parallel")
+    spmd_mesh = _root(dp_mesh)[tuple(dp_names) + tuple(tp_names)]
+    return ParamPlacing(
+        param.shape,
+        tuple(param.stride()),
+        param.to_local().shape,
+        spmd_mesh,
+        tp_mesh,
+        tuple(param.placements),
+    )

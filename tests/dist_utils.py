@@ -25,6 +25,13 @@ def mesh_1d(world_size: int) -> DeviceMesh:
     return _MESHES[key]
 
 
+def mesh_nd(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    key = (shape, names)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[key]
+
+
 def shard_gpt(model: GPT, mesh: DeviceMesh, **kwargs: Any) -> GPT:
     """The torchtitan recipe: every block, then the root."""
     for block in model.blocks:

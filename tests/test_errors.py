@@ -74,8 +74,13 @@ def _errors_at_shard_time(rank: int, ws: int) -> None:
     tp_like = nn.Linear(4, 4)
     tp_like.weight = nn.Parameter(distribute_tensor(torch.randn(4, 4), other_root["tp"], [Shard(0)]))
     before = _snapshot(tp_like)
-    _expect(ValueError, "'weight' of Linear is a DTensor on a mesh .* does not share a root", fc.fully_shard, tp_like,
-            mesh=mesh)
+    _expect(
+        ValueError,
+        "'weight' of Linear is a DTensor on a mesh .* does not share a root",
+        fc.fully_shard,
+        tp_like,
+        mesh=mesh,
+    )
     _assert_untouched(tp_like, before)
 
 

@@ -21,17 +21,24 @@ from .api import (
     set_reshard_after_forward,
     unshard,
 )
+from .extensions import CastAllGather, Int8AllGather, ShardExtensions
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .state_dict import full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadPolicy",
+    "CastAllGather",
+    "Int8AllGather",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ShardExtensions",
+    "full_state_dict",
     "fully_shard",
     "get_state",
     "is_fully_sharded",
+    "load_full_state_dict",
     "no_sync",
     "refresh_trainable",
     "register_forward_method",

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import Placement, Shard
 
+from .extensions import ShardExtensions
 from .meshes import check_dp_mesh, param_placing
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
@@ -53,7 +54,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
-    extensions: Any = None,
+    extensions: ShardExtensions | None = None,
     frozen_params: Literal["shard", "replicate"] = "shard",
     auto_refresh_trainable: bool = True,
 ) -> ModuleOrList:
@@ -80,8 +81,8 @@ def fully_shard(
         raise TypeError(f"offload_policy must be an fc.OffloadPolicy, got {type(offload_policy).__name__}")
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError("CPUOffloadPolicy is not supported yet; use fc.OffloadPolicy()")
-    if extensions is not None:
-        raise NotImplementedError("extensions (fc.ShardExtensions) are not supported yet; pass extensions=None")
+    if extensions is not None and not isinstance(extensions, ShardExtensions):
+        raise TypeError(f"extensions must be an fc.ShardExtensions, got {type(extensions).__name__}")
     if frozen_params not in ("shard", "replicate"):
         raise ValueError(f'frozen_params must be "shard" or "replicate", got {frozen_params!r}')
     ignored = _ignored_ids(ignored_params)
@@ -99,7 +100,15 @@ def fully_shard(
     for child_state, param in lifts:  # tied parameters move up from a submodule's unit into this one
         owners_of[id(param)].extend(child_state.unit.release(param))
     unit = ShardedUnit(
-        params, placings, mesh, device, mp_policy.param_dtype, mp_policy.reduce_dtype, owner_name, frozen_params
+        params,
+        placings,
+        mesh,
+        device,
+        mp_policy.param_dtype,
+        mp_policy.reduce_dtype,
+        owner_name,
+        frozen_params,
+        extensions,
     )
     state = ShardState(
         tuple(modules),

@@ -166,7 +166,10 @@ class UnitGradients:
         unit = self.unit
         segment = self.layout.segment_numel
         output = torch.empty(segment + self.tail, dtype=unit.reduce_dtype, device=unit.device)
-        if unit.world_size == 1:
+        hook = unit.extensions.reduce_scatter
+        if hook is not None:
+            hook(output, buffer.view(-1), unit.group)
+        elif unit.world_size == 1:
             output.copy_(buffer.view(-1))
         else:
             reduce_scatter_flat(output, buffer.view(-1), unit.group, async_op=False)
@@ -185,7 +188,13 @@ class UnitGradients:
             output.add_(self.unreduced_over_replicas)
             self.unreduced_over_replicas = None
             missing_locally = True  # the flags then count every micro-batch: read them
-        work = all_reduce(output, replicas, async_op=True) if replicas is not None else None
+        work: Work | None = None
+        if replicas is not None:
+            all_reduce_hook = unit.extensions.all_reduce
+            if all_reduce_hook is not None:
+                work = all_reduce_hook(output, replicas)
+            else:
+                work = all_reduce(output, replicas, async_op=True)
         self.in_flight = (work, output, divide_factor, missing_locally)
         if work is None:
             self.finish()

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from .collectives import Work, all_gather_flat
+from .extensions import ShardExtensions
 from .grads import UnitGradients
 from .meshes import DataParallelMesh, ParamPlacing
 from .sharding import FlatLayout, copy_param_from_segments, local_rows
@@ -168,8 +169,10 @@ class ShardedUnit:
         reduce_dtype: torch.dtype | None,
         owner_name: str,
         frozen_params: str = "shard",
+        extensions: ShardExtensions | None = None,
     ) -> None:
         self.dp = DataParallelMesh.of(mesh)
+        self.extensions = extensions or ShardExtensions()
         # The flat layout, the all-gather and the reduce-scatter run over the shard group.
         self.group: dist.ProcessGroup = self.dp.shard_group
         self.rank = self.dp.shard_rank
@@ -419,6 +422,9 @@ class ShardedUnit:
         if not self.views_intact():
             self.adopt()
         shard = self.flat if self.param_dtype == self.orig_dtype else self.flat.to(self.param_dtype)
+        transform = self.extensions.all_gather
+        if transform is not None:
+            shard = transform.encode(shard)
         if self.world_size == 1 or self.layout.segment_numel == 0:
             self._pending_gather = (None, shard)
         else:
@@ -436,7 +442,12 @@ class ShardedUnit:
         self._pending_gather = None
         if work is not None:
             work.wait()
-        segments = gathered.view(self.world_size, self.layout.segment_numel)
+        transform = self.extensions.all_gather
+        if transform is not None:
+            segments = transform.decode(gathered.view(self.world_size, -1), self.param_dtype)
+            segments = segments[:, : self.layout.segment_numel]
+        else:
+            segments = gathered.view(self.world_size, self.layout.segment_numel)
         for mp in self.params:
             full_data = self._ensure_full(mp)
             if mp.slot is not None:

@@ -48,7 +48,7 @@ def max_param_diff(model: nn.Module, reference: nn.Module) -> float:
     ref = dict(reference.named_parameters())
     worst = 0.0
     for name, param in model.named_parameters():
-        worst = max(worst, (full_value(param.detach()) - ref[name].detach()).abs().max().item())
+        worst = max(worst, (full_value(param.detach()) - full_value(ref[name].detach())).abs().max().item())
     return worst
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import fsdp_compose as fc
 import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
-from tests.dist_utils import local_batch, max_param_diff, mesh_1d, mesh_nd, reference_and_copy, shard_gpt, train_pair
+from tests.dist_utils import local_batch, mesh_1d, mesh_nd, reference_and_copy, shard_gpt, train_pair
 
 
 def _compressed_all_gather(rank: int, ws: int, kind: str) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def _compressed_all_gather(rank: int, ws: int, kind: str) -> dict[str, Any]:
         gathered.append((shard.dtype, shard.numel()))
         return original(output, shard, group, async_op=async_op)
 
-    inputs, targets = synthetic_batch(cfg, 4, 0)
+    inputs, _ = synthetic_batch(cfg, 4, 0)
     x = local_batch(inputs, rank, ws)
     unit_module.all_gather_flat = recording
     try:

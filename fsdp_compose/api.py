@@ -33,6 +33,8 @@ __all__ = [
     "set_full_precision_in_eval",
     "set_gradient_accumulation",
     "set_gradient_divide_factor",
+    "set_modules_to_backward_prefetch",
+    "set_modules_to_forward_prefetch",
     "set_requires_all_reduce",
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
@@ -390,6 +392,23 @@ def set_reshard_after_backward(module: nn.Module, value: bool, *, recurse: bool 
     """
     for state in _states(module, recurse):
         state.reshard_after_backward = value
+
+
+def _state_list(modules: Iterable[nn.Module]) -> list[ShardState]:
+    return [_require_state(m) for m in modules]
+
+
+def set_modules_to_forward_prefetch(module: nn.Module, modules: Iterable[nn.Module]) -> None:
+    """At ``module``'s forward, start the all-gathers of ``modules`` (replacing the implicit next-unit prefetch).
+
+    Every rank must configure the same prefetches. An empty list turns forward prefetch off for ``module``.
+    """
+    _require_state(module).forward_prefetch = _state_list(modules)
+
+
+def set_modules_to_backward_prefetch(module: nn.Module, modules: Iterable[nn.Module]) -> None:
+    """At ``module``'s backward, start the all-gathers of ``modules`` (replacing the implicit previous-unit one)."""
+    _require_state(module).backward_prefetch = _state_list(modules)
 
 
 def set_gradient_divide_factor(module: nn.Module, factor: float, *, recurse: bool = True) -> None:

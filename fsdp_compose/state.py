@@ -108,9 +108,14 @@ class ShardState:
         self.gradient_accumulation: GradientAccumulation = "unsharded"
         self.requires_all_reduce = True  # HSDP: all-reduce over replicas after the reduce-scatter
         self.full_precision_in_eval = False
+        # Prefetch targets set with fc.set_modules_to_*_prefetch (None: implicit, from the recorded forward order).
+        self.forward_prefetch: list[ShardState] | None = None
+        self.backward_prefetch: list[ShardState] | None = None
         # Set at lazy init.
         self.root: ShardState | None = None
         self.root_states: list[ShardState] = []  # on the root only: every state under it, pre-order
+        self.forward_order: list[ShardState] = []  # root only: units in the order the last forward ran them
+        self.recording: list[ShardState] = []  # root only: the order this forward runs them
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -165,8 +170,12 @@ class ShardState:
         logger.debug("lazy init: root %s with %d units", self.unit.owner_name, len(states))
 
     def _root_pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if self.recording:
+            self.forward_order, self.recording = self.recording, []
         # A forward with grad enabled and no backward (e.g. evaluation without no_grad) leaves per-step flags set.
         for state in self.root_states:
+            if state.unit.state is UnitState.GATHERING:
+                state.unit.reshard()  # a prefetch nobody used
             state._reset_step()
             # The cheap per-step trainability check: one bool comparison per parameter.
             if state.auto_refresh_trainable and state.unit.refresh_trainable():
@@ -196,11 +205,14 @@ class ShardState:
         self.training_state = TrainingState.FORWARD
         self.full_precision_now = self.full_precision_in_eval and not module.training
         unit = self.unit
-        compute_dtype = unit.orig_dtype if self.full_precision_now else self.mp_policy.param_dtype or unit.orig_dtype
-        if unit.is_unsharded and (unit.is_stale() or unit.param_dtype != compute_dtype):
+        compute_dtype = self._compute_dtype(module)
+        if unit.state is not UnitState.SHARDED and (unit.is_stale() or unit.param_dtype != compute_dtype):
             unit.reshard()  # kept unsharded across an optimizer step or a precision switch: gather again
         unit.param_dtype = compute_dtype
         unit.unshard()
+        if self.root is not None:
+            self.root.recording.append(self)
+            self._prefetch(self.forward_prefetch, self.root._next_in_forward(self, step=1))
         if compute_dtype != unit.orig_dtype and self.mp_policy.cast_forward_inputs:
             args, kwargs = tree_map(lambda v: _cast_floating(v, compute_dtype), (args, kwargs))
         if torch.is_grad_enabled():
@@ -257,6 +269,40 @@ class ShardState:
         self.unit.unshard()
         self.training_state = TrainingState.PRE_BACKWARD
         self.post_backward_pending = True
+        if root is not None:
+            self._prefetch(self.backward_prefetch, root._next_in_forward(self, step=-1))
+
+    # ------------------------------------------------------------------ prefetch
+    def _compute_dtype(self, module: nn.Module) -> torch.dtype:
+        unit = self.unit
+        if self.full_precision_in_eval and not module.training:
+            return unit.orig_dtype
+        return self.mp_policy.param_dtype or unit.orig_dtype
+
+    def _next_in_forward(self, state: ShardState, *, step: int) -> list[ShardState]:
+        """Root: the unit expected after ``state`` in forward (step=1) or in backward (step=-1).
+
+        Backward runs the root first (its outputs are last), then the other units in reverse forward order.
+        """
+        order = self.forward_order if step == 1 else self.forward_order[:1] + self.forward_order[:0:-1]
+        try:
+            index = order.index(state) + 1
+        except ValueError:
+            return []
+        return [order[index]] if index < len(order) else []
+
+    def _prefetch(self, explicit: list[ShardState] | None, implicit: list[ShardState]) -> None:
+        """Start the all-gather of the units expected next, so it runs while this unit computes.
+
+        Every rank prefetches the same units at the same point (the recorded order is the same wherever the same
+        units run), so the collectives match. A prefetch that turns out unused is finished and freed at the end of
+        the step.
+        """
+        for target in implicit if explicit is None else explicit:
+            unit = target.unit
+            if unit.state is UnitState.SHARDED and target.training_state is not TrainingState.PRE_BACKWARD:
+                unit.param_dtype = target._compute_dtype(target.modules[0])
+                unit.start_unshard(async_op=True)
 
     def post_backward(self) -> None:
         """The unit's backward is done: hand its gradients to the reduction (or accumulate them) and reshard."""
@@ -325,8 +371,12 @@ class ShardState:
         new.__dict__.update(self.__dict__)
         new.modules = tuple(copy.deepcopy(m, memo) for m in self.modules)
         new.unit = self.unit.copy_for(memo)
+        new.forward_prefetch = copy.deepcopy(self.forward_prefetch, memo)
+        new.backward_prefetch = copy.deepcopy(self.backward_prefetch, memo)
         new.root = None
         new.root_states = []
+        new.forward_order = []
+        new.recording = []
         new._reset_step()
         return new
 

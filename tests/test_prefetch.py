@@ -1,0 +1,122 @@
+"""Prefetch: all-gathers are issued in the configured order, results are unchanged, nothing is left in flight."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import fsdp_compose as fc
+import fsdp_compose.unit as unit_module
+from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
+from fsdp_compose.unit import UnitState
+from tests.dist_utils import local_batch, mesh_1d, reference_and_copy, shard_gpt, train_pair
+
+
+def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
+    cfg = GPTConfig(n_layers=4)
+    _, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws))
+    units = {
+        id(fc.get_state(m).unit): name
+        for name, m in [("root", model)] + [(f"b{i}", b) for i, b in enumerate(model.blocks)]
+    }
+    if explicit:
+        fc.set_modules_to_forward_prefetch(model.blocks[0], [model.blocks[2], model.blocks[3]])
+        fc.set_modules_to_forward_prefetch(model.blocks[1], [])
+        fc.set_modules_to_backward_prefetch(model.blocks[3], [model.blocks[1], model.blocks[0]])
+    issued: list[tuple[str, bool]] = []
+    original = unit_module.ShardedUnit.start_unshard
+
+    def recording(self: unit_module.ShardedUnit, *, async_op: bool) -> None:
+        if self.state is UnitState.SHARDED:
+            issued.append((units[id(self)], async_op))
+        original(self, async_op=async_op)
+
+    inputs, targets = synthetic_batch(cfg, 4, 0)
+    x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
+    loss_fn(model(x), y).backward()  # the first step records the forward order
+    unit_module.ShardedUnit.start_unshard = recording  # type: ignore[method-assign]
+    try:
+        loss_fn(model(x), y).backward()
+    finally:
+        unit_module.ShardedUnit.start_unshard = original  # type: ignore[method-assign]
+    states = [fc.get_state(m) for m in [model, *model.blocks]]
+    left_in_flight = [
+        s.unit.state is UnitState.GATHERING or s.unit.grads.in_flight is not None or s.unit.grads.staged is not None
+        for s in states
+    ]
+    return {"issued": issued, "left_in_flight": any(left_in_flight)}
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_implicit_prefetch_gathers_the_next_unit_ahead(run_dist, ws: int) -> None:
+    for r in run_dist(ws, _record_gathers, False):
+        # forward: root, then each block prefetched (async) by the unit before it; backward: root first, so the
+        # last block is prefetched by the root, and each block prefetches the one before it
+        assert r["issued"] == [
+            ("root", False),
+            ("b0", True),
+            ("b1", True),
+            ("b2", True),
+            ("b3", True),
+            ("b3", True),
+            ("b2", True),
+            ("b1", True),
+            ("b0", True),
+        ]
+        assert not r["left_in_flight"]
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_explicit_prefetch_order(run_dist, ws: int) -> None:
+    for r in run_dist(ws, _record_gathers, True):
+        assert r["issued"] == [
+            ("root", False),
+            ("b0", True),  # root prefetches b0 (implicit)
+            ("b2", True),
+            ("b3", True),  # b0 prefetches b2 and b3 (explicit)
+            ("b1", False),  # b1 was not prefetched, and prefetches nothing (explicit empty list)
+            ("b3", True),  # backward: the root prefetches the last block (implicit) ...
+            ("b1", True),
+            ("b0", True),  # ... and b3 prefetches b1 and b0 (explicit)
+            ("b2", False),  # nobody prefetched b2 for backward
+        ]
+        assert not r["left_in_flight"]
+
+
+def _parity_without_prefetch(rank: int, ws: int) -> tuple[float, float]:
+    cfg = GPTConfig()
+    reference, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws))
+    with_prefetch = train_pair(rank, ws, model, reference, cfg, steps=3)
+    reference, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws))
+    for m in [model, *model.blocks]:
+        fc.set_modules_to_forward_prefetch(m, [])
+        fc.set_modules_to_backward_prefetch(m, [])
+    return with_prefetch, train_pair(rank, ws, model, reference, cfg, steps=3)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_results_are_the_same_with_and_without_prefetch(run_dist, ws: int) -> None:
+    for with_prefetch, without in run_dist(ws, _parity_without_prefetch):
+        assert with_prefetch <= 1e-5 and without <= 1e-5
+
+
+def _eval_between_steps(rank: int, ws: int) -> float:
+    """A no_grad evaluation forward between training steps: prefetched units are consumed or freed."""
+    cfg = GPTConfig()
+    reference, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws))
+    train_pair(rank, ws, model, reference, cfg, steps=1)
+    with torch.no_grad():
+        model(local_batch(synthetic_batch(cfg, 4, 9)[0], rank, ws))
+    assert all(not fc.get_state(m).unit.is_unsharded for m in [model, *model.blocks])
+    return train_pair(rank, ws, model, reference, cfg, steps=2)
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_evaluation_between_steps_with_prefetch(run_dist, ws: int) -> None:
+    assert max(run_dist(ws, _eval_between_steps)) <= 1e-5

@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import fsdp_compose as fc  # noqa: E402
-from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
+import fsdp_compose as fc
+from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
 
 
 class LoRALinear(nn.Module):

@@ -1,6 +1,9 @@
 """Train a small GPT with fsdp_compose: every block is a unit, then the root.
 
     torchrun --standalone --nproc_per_node 2 examples/train_gpt.py
+    torchrun --standalone --nproc_per_node 4 examples/train_gpt.py --hsdp 2           # 2 replicas x 2 shards
+    torchrun --standalone --nproc_per_node 4 examples/train_gpt.py --tp 2             # 2 shards x 2-way TP MLPs
+    torchrun --standalone --nproc_per_node 8 examples/train_gpt.py --hsdp 2 --tp 2    # 3-D: 2 x 2 x 2
 
 Runs on CPU (gloo) by default and on GPUs (NCCL) when CUDA is available; data is synthetic, so nothing is downloaded.
 Rank 0 prints step, loss and tokens/s.
@@ -15,7 +18,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,7 +40,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-reshard-after-forward", action="store_true", help="keep blocks gathered until backward")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--meta-init", action="store_true", help="build on the meta device, shard, then materialize")
+    parser.add_argument("--hsdp", type=int, default=1, metavar="R", help="HSDP: R replicas of the sharded model")
+    parser.add_argument("--tp", type=int, default=1, metavar="T", help="tensor parallel degree of each block's MLP")
     return parser.parse_args()
+
+
+def build_meshes(device_type: str, world_size: int, replicas: int, tp: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """The whole mesh and its data-parallel part: (dp,), (replicate, shard), (dp, tp) or (replicate, shard, tp)."""
+    if replicas < 1 or tp < 1 or world_size % (replicas * tp):
+        raise SystemExit(f"--hsdp {replicas} x --tp {tp} = {replicas * tp} does not divide the {world_size} ranks")
+    shards = world_size // (replicas * tp)
+    dp_dims = {"replicate": replicas, "shard": shards} if replicas > 1 else {"dp": shards}
+    dims = {**dp_dims, "tp": tp} if tp > 1 else dp_dims
+    mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    return mesh, (mesh[tuple(dp_dims)] if tp > 1 else mesh)
+
+
+def dp_coordinates(dp_mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's index among all data-parallel ranks (replicate-major) and their number; TP peers share it."""
+    dp_rank = 0
+    for dim in range(dp_mesh.ndim):
+        dp_rank = dp_rank * dp_mesh.size(dim) + dp_mesh.get_local_rank(dim)
+    return dp_rank, dp_mesh.size()
 
 
 def main() -> None:
@@ -46,9 +71,10 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    mesh = init_device_mesh("cuda" if use_cuda else "cpu", (world_size,), mesh_dim_names=("dp",))
-    if args.batch_size % world_size:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {world_size} ranks")
+    mesh, dp_mesh = build_meshes("cuda" if use_cuda else "cpu", world_size, args.hsdp, args.tp)
+    dp_rank, dp_size = dp_coordinates(dp_mesh)
+    if args.batch_size % dp_size:
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {dp_size} data-parallel ranks")
 
     cfg = GPTConfig(
         vocab_size=args.vocab,
@@ -58,31 +84,36 @@ def main() -> None:
         n_heads=args.heads,
         activation_checkpointing=args.activation_checkpointing,
     )
+    if (cfg.mlp_ratio * cfg.dim) % args.tp:  # RowwiseParallel needs even shards of the hidden dim
+        raise SystemExit(f"the MLP hidden size {cfg.mlp_ratio * cfg.dim} must be divisible by --tp {args.tp}")
     torch.manual_seed(0)
     with torch.device("meta" if args.meta_init else "cpu"):
         model = GPT(cfg)
+    if args.tp > 1:  # tensor parallel first: the MLP weights become DTensors on mesh["tp"] ...
+        for block in model.blocks:
+            parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
     reshard = not args.no_reshard_after_forward
-    for block in model.blocks:
-        fc.fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fc.fully_shard(model, mesh=mesh)
+    for block in model.blocks:  # ... then FSDP over the data-parallel dims only
+        fc.fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+    fc.fully_shard(model, mesh=dp_mesh)
     if args.meta_init:
         model.to_empty(device=mesh.device_type)
         torch.manual_seed(0)
         init_weights(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
-    local_batch = args.batch_size // world_size
+    local_batch = args.batch_size // dp_size
     tokens_per_step = args.batch_size * args.seq_len
     for step in range(args.steps):
         inputs, targets = synthetic_batch(cfg, args.batch_size, step)
-        inputs = inputs[rank * local_batch : (rank + 1) * local_batch].to(mesh.device_type)
-        targets = targets[rank * local_batch : (rank + 1) * local_batch].to(mesh.device_type)
+        inputs = inputs[dp_rank * local_batch : (dp_rank + 1) * local_batch].to(mesh.device_type)
+        targets = targets[dp_rank * local_batch : (dp_rank + 1) * local_batch].to(mesh.device_type)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(inputs), targets)
         loss.backward()
         optimizer.step()
-        dist.all_reduce(loss.detach(), op=dist.ReduceOp.SUM)
+        dist.all_reduce(loss.detach(), op=dist.ReduceOp.SUM)  # TP peers hold equal losses: the mean is unchanged
         elapsed = time.perf_counter() - start
         if rank == 0:
             mean_loss = loss.item() / world_size

@@ -23,6 +23,7 @@ from .api import (
     set_reshard_after_forward,
     unshard,
 )
+from .clip import clip_grad_norm_
 from .extensions import CastAllGather, Int8AllGather, ShardExtensions
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state_dict import full_state_dict, load_full_state_dict
@@ -36,6 +37,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ShardExtensions",
+    "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
     "get_state",

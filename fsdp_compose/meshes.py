@@ -45,6 +45,11 @@ def check_dp_mesh(mesh: DeviceMesh) -> None:
                 'init_device_mesh(device, (replicas, shards), mesh_dim_names=("replicate", "shard"))'
             )
         first, second = (n.lower() for n in names)
+        if {"tp", "cp", "pp", "ep"} & {first, second}:
+            raise ValueError(
+                f"mesh dims {names} look like a data-parallel x model-parallel mesh; fully_shard takes the "
+                "data-parallel part only: pass mesh['dp'] (or mesh['replicate', 'shard'] for HSDP)"
+            )
         if "shard" in first and "rep" in second:
             raise ValueError(
                 f"mesh dims {names} look swapped: an HSDP mesh is (replicate, shard) — replicas on dim 0, the "
@@ -132,17 +137,20 @@ def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str
     if not isinstance(param, DTensor):
         return ParamPlacing(param.shape, contiguous_stride(param.shape), param.shape, dp_mesh, None, ())
     tp_mesh = param.device_mesh
-    if _root(tp_mesh) is not _root(dp_mesh):
-        raise ValueError(
-            f"parameter '{fqn}' of {owner} is a DTensor on a mesh {tp_mesh.mesh_dim_names or tp_mesh} that does not "
-            f"share a root mesh with the data-parallel mesh {dp_mesh.mesh_dim_names or dp_mesh}; build both from one "
-            'init_device_mesh(..., mesh_dim_names=("dp", "tp")) and pass mesh["dp"] to fully_shard'
-        )
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
-    if dp_names is None or tp_names is None or set(dp_names) & set(tp_names):
+    if dp_names is not None and tp_names is not None and set(dp_names) & set(tp_names):
         raise ValueError(
-            f"parameter '{fqn}' of {owner}: the data-parallel mesh {dp_names} and the tensor-parallel mesh {tp_names} "
-            "need distinct mesh_dim_names (e.g. 'dp' and 'tp') from one init_device_mesh call"
+            f"parameter '{fqn}' of {owner} is tensor parallel on mesh dims {tp_names}, which the data-parallel mesh "
+            f"{dp_names} includes; pass only the data-parallel part to fully_shard, e.g. mesh['dp']"
+        )
+    root = _root(dp_mesh)
+    root_names = root.mesh_dim_names or ()
+    # Compared by value: torch may hand a TP parameter an equal mesh object from another (equal) root.
+    if dp_names is None or tp_names is None or not set(tp_names) <= set(root_names) or root[tp_names] != tp_mesh:
+        raise ValueError(
+            f"parameter '{fqn}' of {owner} is a DTensor on a mesh {tp_names or tp_mesh} that does not share a root "
+            f"mesh with the data-parallel mesh {dp_names or dp_mesh}; build both from one "
+            'init_device_mesh(..., mesh_dim_names=("dp", "tp")) and pass mesh["dp"] to fully_shard'
         )
     for placement in param.placements:
         if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, _StridedShard):
@@ -152,7 +160,7 @@ def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str
             )
     if param.ndim == 0:
         raise ValueError(f"parameter '{fqn}' of {owner} is a 0-dim DTensor; keep it out of tensor parallel")
-    spmd_mesh = _root(dp_mesh)[tuple(dp_names) + tuple(tp_names)]
+    spmd_mesh = root[tuple(dp_names) + tuple(tp_names)]
     return ParamPlacing(
         param.shape,
         tuple(param.stride()),

@@ -25,7 +25,7 @@ def mesh_1d(world_size: int) -> DeviceMesh:
     return _MESHES[key]
 
 
-def mesh_nd(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+def mesh_nd(shape: tuple[int, ...], names: tuple[str, ...] | None) -> DeviceMesh:
     key = (shape, names)
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig
-from tests.dist_utils import mesh_1d
+from tests.dist_utils import mesh_1d, mesh_nd
 
 
 def _snapshot(model: nn.Module) -> list[tuple[str, int, type]]:
@@ -34,11 +33,19 @@ def _errors_at_shard_time(rank: int, ws: int) -> None:
 
     _expect(TypeError, "DeviceMesh", fc.fully_shard, model, mesh="not a mesh")
     _assert_untouched(model, before)
-    unnamed_2d = init_device_mesh("cpu", (1, ws))
+    unnamed_2d = mesh_nd((1, ws), None)
     _expect(ValueError, "needs mesh_dim_names, \\(replicate, shard\\)", fc.fully_shard, model, mesh=unnamed_2d)
-    swapped = init_device_mesh("cpu", (ws, 1), mesh_dim_names=("shard", "replicate"))
+    swapped = mesh_nd((ws, 1), ("shard", "replicate"))
     _expect(ValueError, "look swapped: an HSDP mesh is \\(replicate, shard\\)", fc.fully_shard, model, mesh=swapped)
-    mesh_3d = init_device_mesh("cpu", (1, 1, ws), mesh_dim_names=("a", "b", "c"))
+    mesh_3d = mesh_nd((1, 1, ws), ("a", "b", "c"))
+    whole_dp_tp = mesh_nd((ws, 1), ("dp", "tp"))
+    _expect(
+        ValueError,
+        "look like a data-parallel x model-parallel mesh.*mesh\\['dp'\\]",
+        fc.fully_shard,
+        model,
+        mesh=whole_dp_tp,
+    )
     _expect(ValueError, "1-D \\(shard\\) or 2-D \\(replicate, shard\\)", fc.fully_shard, model, mesh=mesh_3d)
     _assert_untouched(model, before)
     _expect(TypeError, "nn.Module", fc.fully_shard, [model, "x"], mesh=mesh)
@@ -70,9 +77,9 @@ def _errors_at_shard_time(rank: int, ws: int) -> None:
     assert not isinstance(counted.steps, DTensor)
 
     # a tensor-parallel parameter on a mesh that does not share a root with the data-parallel mesh
-    other_root = init_device_mesh("cpu", (ws, 1), mesh_dim_names=("dp", "tp"))
+    other_root = mesh_nd((ws, 1), ("dp_other", "tp_other"))
     tp_like = nn.Linear(4, 4)
-    tp_like.weight = nn.Parameter(distribute_tensor(torch.randn(4, 4), other_root["tp"], [Shard(0)]))
+    tp_like.weight = nn.Parameter(distribute_tensor(torch.randn(4, 4), other_root["tp_other"], [Shard(0)]))
     before = _snapshot(tp_like)
     _expect(
         ValueError,

@@ -35,6 +35,7 @@ __all__ = [
     "set_gradient_divide_factor",
     "set_modules_to_backward_prefetch",
     "set_modules_to_forward_prefetch",
+    "set_optimizer_in_backward",
     "set_requires_all_reduce",
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
@@ -409,6 +410,41 @@ def set_modules_to_forward_prefetch(module: nn.Module, modules: Iterable[nn.Modu
 def set_modules_to_backward_prefetch(module: nn.Module, modules: Iterable[nn.Module]) -> None:
     """At ``module``'s backward, start the all-gathers of ``modules`` (replacing the implicit previous-unit one)."""
     _require_state(module).backward_prefetch = _state_list(modules)
+
+
+def set_optimizer_in_backward(
+    module: nn.Module, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *, recurse: bool = True
+) -> list[torch.optim.Optimizer]:
+    """Step each unit's parameters during backward, as soon as its gradients are reduced (seed 004, #98667).
+
+    ``optimizer`` builds an optimizer from a list of parameters (e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``);
+    one is built per unit and returned (for learning-rate schedules and checkpoints). After a unit's reduce-scatter
+    (and, for HSDP, its all-reduce) its optimizer steps and its gradients are freed, so no gradient outlives its unit
+    and there is no separate ``optimizer.step()``. Only synced backwards step (not no-sync micro-batches).
+    Gradient clipping over the whole model is not possible in this mode (each unit steps before the others' gradients
+    exist), and a unit used twice in one backward is not supported (its second use would see updated weights).
+    Per instance: a ``copy.deepcopy`` of the module does not carry the optimizers.
+    """
+    built = []
+    for state in _states(module, recurse):
+        params = [mp.sharded for mp in state.unit.params]
+        if not params:
+            continue
+        opt = optimizer(params)  # type: ignore[arg-type]
+        state.unit.grads.on_finished = _StepInBackward(state, opt)
+        built.append(opt)
+    return built
+
+
+class _StepInBackward:
+    def __init__(self, state: ShardState, optimizer: torch.optim.Optimizer) -> None:
+        self.state = state
+        self.optimizer = optimizer
+
+    def __call__(self) -> None:
+        if self.state.requires_gradient_sync:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
 
 def set_gradient_divide_factor(module: nn.Module, factor: float, *, recurse: bool = True) -> None:

@@ -18,6 +18,7 @@ holds the summed 0-dim gradients, with no second collective.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -62,6 +63,7 @@ class UnitGradients:
         # reduced, not finished: (all-reduce work or None, output, divide factor, whether to read the flags)
         self.in_flight: tuple[Work | None, torch.Tensor, float | None, bool] | None = None
         self.unreduced_over_replicas: torch.Tensor | None = None  # HSDP partial sums while all-reduce is skipped
+        self.on_finished: Callable[[], None] | None = None  # e.g. the optimizer step in backward
         self.locally_seen: set[int] = set()  # parameters with a gradient on this rank since the last reduce
         self.refresh()
 
@@ -221,6 +223,8 @@ class UnitGradients:
             else:
                 rows = self.layout.shard_view(output, self.slot[id(mp)], unit.rank)
             self._add_to_sharded_grad(mp, rows)
+        if self.on_finished is not None:
+            self.on_finished()
 
     def _add_to_sharded_grad(self, mp: ManagedParam, rows: torch.Tensor) -> None:
         rows = rows.to(self.unit.orig_dtype)

@@ -6,9 +6,11 @@ reduce-scatter bytes. One backward of a unit goes::
 
     stage()       move the full gradients into a (world_size, segment + tail) buffer — the reduce-scatter input —
                   and free them (or add them to the no-sync accumulation buffer, which then *is* that input)
-    reduce()      one reduce-scatter of the staged buffer over the shard group; for HSDP then an asynchronous
-                  all-reduce over the replicate group, which overlaps the next units' backward
-    finish()      wait for that all-reduce; every rank's rows become (or are added to) its sharded DTensor ``.grad``
+    reduce()      start one reduce-scatter of the staged buffer over the shard group, asynchronously: it overlaps
+                  the next units' backward
+    advance()     (when the next unit reduces) wait for it and free its input; for HSDP start the asynchronous
+                  all-reduce over the replicate group
+    finish()      wait for what is left; every rank's rows become (or are added to) its sharded DTensor ``.grad``
 
 The tail of the buffer is written by every rank into every segment: one "had a gradient" count per trainable
 parameter and the gradients of 0-dim parameters. After the reduce-scatter every rank therefore knows which parameters
@@ -19,6 +21,7 @@ holds the summed 0-dim gradients, with no second collective.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -31,6 +34,18 @@ if TYPE_CHECKING:
     from .unit import ManagedParam, ShardedUnit
 
 __all__ = ["UnitGradients", "divide_factors"]
+
+
+@dataclass
+class _InFlight:
+    """One reduction on its way: the running collective, its output, and the reduce-scatter input while it runs."""
+
+    work: Work | None
+    output: torch.Tensor
+    buffer: torch.Tensor | None  # kept alive until the reduce-scatter completes
+    divide_factor: float | None
+    missing_locally: bool
+    all_reduce_started: bool = False
 
 
 def divide_factors(world_size: int, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
@@ -60,8 +75,7 @@ class UnitGradients:
         self.scalar: dict[int, int] = {}  # id(ManagedParam) -> tail column (0-dim trainable parameters)
         self.accumulated: torch.Tensor | None = None  # no-sync accumulation, in the reduce-scatter layout
         self.staged: torch.Tensor | None = None  # written this backward, waiting for its reduce-scatter
-        # reduced, not finished: (all-reduce work or None, output, divide factor, whether to read the flags)
-        self.in_flight: tuple[Work | None, torch.Tensor, float | None, bool] | None = None
+        self.in_flight: _InFlight | None = None  # a reduction started and not finished
         self.unreduced_over_replicas: torch.Tensor | None = None  # HSDP partial sums while all-reduce is skipped
         self.on_finished: Callable[[], None] | None = None  # e.g. the optimizer step in backward
         self.locally_seen: set[int] = set()  # parameters with a gradient on this rank since the last reduce
@@ -156,59 +170,84 @@ class UnitGradients:
         self._write(self.staged, fresh=fresh, pre=pre)
 
     def reduce(self, divide_factor: float | None, *, all_reduce_replicas: bool = True) -> None:
-        """Reduce-scatter the staged buffer over the shard group; for HSDP start the all-reduce over replicas.
+        """Start the reduce-scatter of the staged buffer over the shard group (asynchronously).
 
-        With ``all_reduce_replicas=False`` (HSDP, accumulating), the reduce-scattered shard is kept as a partial
-        sum over this replica's ranks; the next reduction that does all-reduce adds it in first.
+        The reduction then moves on in ``advance`` (wait for it; for HSDP start the all-reduce over replicas) and
+        ends in ``finish`` (wait; hand out the gradients). With ``all_reduce_replicas=False`` (HSDP, accumulating)
+        the reduce-scattered shard is kept as a partial sum over this replica's ranks, added in by the next
+        reduction that does all-reduce.
         """
         buffer = self.staged
         if buffer is None:
             return
         self.staged = None
+        self.finish()  # at most one reduction of this unit in flight
         unit = self.unit
-        segment = self.layout.segment_numel
-        output = torch.empty(segment + self.tail, dtype=unit.reduce_dtype, device=unit.device)
+        output = torch.empty(self.layout.segment_numel + self.tail, dtype=unit.reduce_dtype, device=unit.device)
         hook = unit.extensions.reduce_scatter
+        work: Work | None = None
         if hook is not None:
             hook(output, buffer.view(-1), unit.group)
         elif unit.world_size == 1:
             output.copy_(buffer.view(-1))
         else:
-            reduce_scatter_flat(output, buffer.view(-1), unit.group, async_op=False)
-        del buffer
+            work = reduce_scatter_flat(output, buffer.view(-1), unit.group, async_op=True)
         # Reading the flags costs a device sync, so only a rank that lacked a gradient itself reads them.
         missing_locally = len(self.locally_seen) < len(self.trainable)
         self.locally_seen = set()
-        replicas = unit.dp.replicate_group
-        if replicas is not None and not all_reduce_replicas:
+        skip_all_reduce = unit.dp.replicate_group is not None and not all_reduce_replicas
+        self.in_flight = _InFlight(work, output, buffer if work is not None else None, divide_factor, missing_locally)
+        if skip_all_reduce:
+            self._wait_reduce_scatter(self.in_flight)
+            self.in_flight = None
             if self.unreduced_over_replicas is None:
                 self.unreduced_over_replicas = output
             else:
                 self.unreduced_over_replicas.add_(output)
+
+    def _wait_reduce_scatter(self, flight: _InFlight) -> None:
+        if flight.buffer is not None:
+            assert flight.work is not None
+            flight.work.wait()
+            flight.work = None
+            flight.buffer = None  # the reduce-scatter input is free now
+
+    def advance(self) -> None:
+        """The reduce-scatter completes (its input buffer is freed); HSDP starts the asynchronous all-reduce over
+        replicas, which overlaps the rest of backward. Without replicas the gradients are handed out right away."""
+        flight = self.in_flight
+        if flight is None or flight.buffer is None and flight.work is not None:
+            return  # nothing in flight, or the all-reduce already runs
+        self._wait_reduce_scatter(flight)
+        replicas = self.unit.dp.replicate_group
+        if replicas is None:
+            self.finish()
+            return
+        if flight.all_reduce_started:
             return
         if self.unreduced_over_replicas is not None:
-            output.add_(self.unreduced_over_replicas)
+            flight.output.add_(self.unreduced_over_replicas)
             self.unreduced_over_replicas = None
-            missing_locally = True  # the flags then count every micro-batch: read them
-        work: Work | None = None
-        if replicas is not None:
-            all_reduce_hook = unit.extensions.all_reduce
-            if all_reduce_hook is not None:
-                work = all_reduce_hook(output, replicas)
-            else:
-                work = all_reduce(output, replicas, async_op=True)
-        self.in_flight = (work, output, divide_factor, missing_locally)
-        if work is None:
-            self.finish()
+            flight.missing_locally = True  # the flags then count every micro-batch: read them
+        all_reduce_hook = self.unit.extensions.all_reduce
+        if all_reduce_hook is not None:
+            flight.work = all_reduce_hook(flight.output, replicas)
+        else:
+            flight.work = all_reduce(flight.output, replicas, async_op=True)
+        flight.all_reduce_started = True
 
     def finish(self) -> None:
-        """Wait for the all-reduce over replicas (HSDP) and hand every rank its rows as sharded ``.grad``."""
-        if self.in_flight is None:
+        """Wait for what is in flight and hand every rank its rows as sharded ``.grad`` (then ``on_finished``)."""
+        flight = self.in_flight
+        if flight is None:
             return
-        work, output, divide_factor, missing_locally = self.in_flight
+        if self.unit.dp.replicate_group is not None and not flight.all_reduce_started:
+            self.advance()
         self.in_flight = None
-        if work is not None:
-            work.wait()
+        self._wait_reduce_scatter(flight)
+        if flight.work is not None:
+            flight.work.wait()
+        output, divide_factor, missing_locally = flight.output, flight.divide_factor, flight.missing_locally
         unit = self.unit
         segment = self.layout.segment_numel
         _, post = divide_factors(unit.dp.size, divide_factor, unit.reduce_dtype)

@@ -126,6 +126,7 @@ class ShardState:
         self.reduce_issued = False  # this unit's reduce-scatter went out in this backward
         self.final_callback_queued = False
         self.next_reduction = 0  # root only: position in reversed(root_states) of the next reduce-scatter to issue
+        self.last_reduced: ShardState | None = None  # root only: the unit whose reduce-scatter went out last
 
     # ------------------------------------------------------------------ hooks registration
     def register_hooks(self) -> None:
@@ -317,6 +318,7 @@ class ShardState:
             grads.stage(self.gradient_divide_factor)
             if self.reduce_issued:  # a second use of the unit in this backward: its turn has passed, go now
                 grads.reduce(self.gradient_divide_factor, all_reduce_replicas=self.requires_all_reduce)
+                grads.finish()
             elif self.root is not None:
                 self.root._issue_reductions_in_order()
         if self.reshard_after_backward:
@@ -336,8 +338,13 @@ class ShardState:
             if state.reduces_now and state.unit.grads.trainable:
                 if state.unit.grads.staged is None:
                     return
+                if self.last_reduced is not None:
+                    # one reduce-scatter in flight at a time: the previous one completes (its input buffer is
+                    # freed) before the next starts, while backward goes on
+                    self.last_reduced.unit.grads.advance()
                 state.unit.grads.reduce(state.gradient_divide_factor, all_reduce_replicas=state.requires_all_reduce)
                 state.reduce_issued = True
+                self.last_reduced = state
             self.next_reduction += 1
 
     def _final_callback(self) -> None:
@@ -355,8 +362,8 @@ class ShardState:
             if state.reshard_after_backward and state.unit.state is not UnitState.SHARDED:
                 state.unit.reshard()
         self._issue_reductions_in_order()
-        for state in self.root_states:
-            state.unit.grads.finish()  # HSDP all-reduces overlapped the rest of backward; wait for them now
+        for state in reversed(self.root_states):
+            state.unit.grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
             state._reset_step()
 
     # ------------------------------------------------------------------ copy.deepcopy

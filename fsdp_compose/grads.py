@@ -216,7 +216,7 @@ class UnitGradients:
         """The reduce-scatter completes (its input buffer is freed); HSDP starts the asynchronous all-reduce over
         replicas, which overlaps the rest of backward. Without replicas the gradients are handed out right away."""
         flight = self.in_flight
-        if flight is None or flight.buffer is None and flight.work is not None:
+        if flight is None or (flight.buffer is None and flight.work is not None):
             return  # nothing in flight, or the all-reduce already runs
         self._wait_reduce_scatter(flight)
         replicas = self.unit.dp.replicate_group

@@ -3,17 +3,20 @@
 ``fully_shard`` attaches one ``ShardState`` to the module instance (an attribute; no class swap, no registry) and
 registers bound methods of it as module hooks. One step, top to bottom::
 
-    root pre-forward        lazy init on the first call (find the root, check every unit), reset per-step state
-    unit pre-forward        all-gather (unshard); wrap the inputs in _PostBackward so backward can tell us when
-                            the unit's input gradients exist
+    root pre-forward        lazy init on the first call (find the root, check every unit); per step: reset flags,
+                            refresh trainability (one bool per parameter), adopt the last forward's unit order
+    unit pre-forward        all-gather (unshard, or wait for the prefetched one); prefetch the next unit;
+                            wrap the inputs in _PostBackward so backward can tell when their gradients exist
     user forward            runs unchanged on full parameters
-    unit post-forward       reshard (per reshard_after_forward; always under no_grad); hook the outputs
+    unit post-forward       reshard (per reshard_after_forward; always when no output needs grad); hook outputs
     ---- loss.backward() ----
-    output hook (pre-bw)    all-gather again if resharded; the first one queues the root's final callback
+    output hook (pre-bw)    all-gather again if resharded, prefetch the unit expected next in backward; the first
+                            one queues the root's final callback
     user backward           autograd fills the full parameters' .grad
-    _PostBackward.backward  the unit's input gradients exist: reduce-scatter grads, reshard
+    _PostBackward.backward  the unit's input gradients exist: stage its gradients in the reduce-scatter layout,
+                            start reduce-scatters in the fixed order (async, one in flight), reshard
     final callback          units whose post-backward never fired (no input needed grad, unused on this rank)
-                            reduce and reshard now; reset per-step state
+                            stage (zeros) and reduce at their turn; wait for every reduction; reset flags
 
 A unit's states: SHARDED -> (GATHERING) -> UNSHARDED -> SHARDED, see ``unit.UnitState``.
 """

@@ -453,6 +453,7 @@ def set_gradient_divide_factor(module: nn.Module, factor: float, *, recurse: boo
         raise ValueError(f"gradient divide factor must be positive, got {factor}")
     for state in _states(module, recurse):
         state.gradient_divide_factor = float(factor)
+        state.unit.grads.divide_factor = float(factor)
 
 
 def set_requires_all_reduce(module: nn.Module, requires_all_reduce: bool, *, recurse: bool = True) -> None:

@@ -79,6 +79,9 @@ class UnitGradients:
         self.unreduced_over_replicas: torch.Tensor | None = None  # HSDP partial sums while all-reduce is skipped
         self.on_finished: Callable[[], None] | None = None  # e.g. the optimizer step in backward
         self.locally_seen: set[int] = set()  # parameters with a gradient on this rank since the last reduce
+        self.written: set[int] = set()  # parameters whose region in ``accumulated`` holds a gradient already
+        self.column: dict[int, int] = {}  # id(ManagedParam) -> its "had a gradient" flag column in the tail
+        self.divide_factor: float | None = None  # the unit's setting, for the pre-division ``capture`` applies
         self.refresh()
 
     def refresh(self) -> None:
@@ -94,6 +97,7 @@ class UnitGradients:
         self.layout = FlatLayout.build([mp.placing.local_shape for mp in sharded], self.unit.world_size)
         self.slot = {id(mp): i for i, mp in enumerate(sharded)}
         self.scalar = {id(mp): i for i, mp in enumerate(mp for mp in self.trainable if mp.slot is None)}
+        self.column = {id(mp): i for i, mp in enumerate(self.trainable)}
 
     @property
     def tail(self) -> int:
@@ -113,61 +117,82 @@ class UnitGradients:
             unit.world_size, self.layout.segment_numel + self.tail, dtype=unit.reduce_dtype, device=unit.device
         )
 
-    def _write(self, buffer: torch.Tensor, *, fresh: bool, pre: float) -> None:
-        """Move every trainable full gradient into ``buffer`` (copy when ``fresh``, else add), divided by ``pre``."""
-        world_size = self.unit.world_size
-        segment = self.layout.segment_numel
-        flags = buffer[:, segment : segment + len(self.trainable)]
-        scalars = buffer[:, segment + len(self.trainable) :]
-        for index, mp in enumerate(self.trainable):
-            grad = _local_grad(mp)
-            if grad is not None:
-                self.locally_seen.add(id(mp))
-            if id(mp) in self.scalar:
-                column = scalars[:, self.scalar[id(mp)]]
-                if grad is not None:
-                    source = grad.reshape(1).expand(world_size)
-                    column.copy_(source).div_(pre) if fresh else column.add_(source, alpha=1.0 / pre)
-                elif fresh:
-                    column.zero_()
-            elif grad is not None:
-                slot = self.layout.slots[self.slot[id(mp)]]
-                write_grad_into_segments(grad, buffer, slot, accumulate=not fresh, scale=pre)
-            elif fresh:
-                slot = self.layout.slots[self.slot[id(mp)]]
-                buffer[:, slot.offset : slot.offset + slot.numel].zero_()
-            if fresh:
-                flags[:, index].fill_(0.0 if grad is None else 1.0)
-            elif grad is not None:
-                flags[:, index].add_(1.0)
-            if mp.full is not None:
-                mp.full.grad = None
+    def capture(self, mp: ManagedParam) -> None:
+        """Post-accumulate-grad hook of a full parameter: move its gradient into the buffer right away.
 
-    def accumulate(self, divide_factor: float | None) -> None:
-        """A no-sync micro-batch: add the full gradients into the accumulation buffer and free them."""
-        if not self.trainable or not any(mp.full is not None and mp.full.grad is not None for mp in self.trainable):
+        The unit's buffer (in the reduce-scatter layout, ``reduce_dtype``) is allocated at its first gradient; each
+        gradient is written (or added) into it and freed as soon as autograd produced it, so a unit never holds all
+        its full gradients next to the buffer — only the buffer and the gradient being moved.
+        """
+        grad = _local_grad(mp)
+        if grad is None or id(mp) not in self.column:
             return
-        pre, _ = divide_factors(self.unit.dp.size, divide_factor, self.unit.reduce_dtype)
-        fresh = self.accumulated is None
+        pre, _ = divide_factors(self.unit.dp.size, self.divide_factor, self.unit.reduce_dtype)
+        self._write_one(mp, grad, pre)
+
+    def _write_one(self, mp: ManagedParam, grad: torch.Tensor, pre: float) -> None:
         if self.accumulated is None:
             self.accumulated = self._new_buffer()
-        self._write(self.accumulated, fresh=fresh, pre=pre)
+            self.written = set()
+        buffer = self.accumulated
+        fresh = id(mp) not in self.written
+        segment = self.layout.segment_numel
+        if id(mp) in self.scalar:
+            column = buffer[:, segment + len(self.trainable) + self.scalar[id(mp)]]
+            source = grad.reshape(1).expand(self.unit.world_size)
+            column.copy_(source).div_(pre) if fresh else column.add_(source, alpha=1.0 / pre)
+        else:
+            slot = self.layout.slots[self.slot[id(mp)]]
+            write_grad_into_segments(grad, buffer, slot, accumulate=not fresh, scale=pre)
+        flag = buffer[:, segment + self.column[id(mp)]]
+        flag.fill_(1.0) if fresh else flag.add_(1.0)
+        self.written.add(id(mp))
+        self.locally_seen.add(id(mp))
+        assert mp.full is not None
+        mp.full.grad = None
+
+    def _flush(self, divide_factor: float | None) -> None:
+        """Move gradients the hook did not see (none, normally) into the buffer."""
+        pre, _ = divide_factors(self.unit.dp.size, divide_factor, self.unit.reduce_dtype)
+        for mp in self.trainable:
+            grad = _local_grad(mp)
+            if grad is not None:
+                self._write_one(mp, grad, pre)
+
+    def _complete(self, buffer: torch.Tensor) -> None:
+        """Zero the regions (and flags) of parameters that got no gradient on this rank, so the buffer is whole."""
+        segment = self.layout.segment_numel
+        for mp in self.trainable:
+            if id(mp) in self.written:
+                continue
+            if id(mp) in self.scalar:
+                buffer[:, segment + len(self.trainable) + self.scalar[id(mp)]].zero_()
+            else:
+                slot = self.layout.slots[self.slot[id(mp)]]
+                buffer[:, slot.offset : slot.offset + slot.numel].zero_()
+            buffer[:, segment + self.column[id(mp)]].zero_()
+
+    def accumulate(self, divide_factor: float | None) -> None:
+        """A no-sync micro-batch ended: its gradients are in the accumulation buffer (moved there by ``capture``)."""
+        self._flush(divide_factor)
 
     def stage(self, divide_factor: float | None) -> None:
-        """Write this backward's gradients into the reduce-scatter input: the accumulation buffer when there is
-        one (in place, no second buffer), else a new one. A second stage before the reduce adds to the first."""
+        """This backward's gradients, added to any accumulated ones, become the reduce-scatter input — the same
+        buffer, in place: no second buffer, no copy. A second stage before the reduce adds to the first."""
         if not self.trainable:
             return
         self.finish()  # a second use of the unit in one backward: its first reduction completes first
-        pre, _ = divide_factors(self.unit.dp.size, divide_factor, self.unit.reduce_dtype)
+        self._flush(divide_factor)
+        if self.accumulated is None:
+            self.accumulated = self._new_buffer()
+            self.written = set()
+        self._complete(self.accumulated)
         if self.staged is None:
-            self.staged, self.accumulated = (self.accumulated, None)
-            fresh = self.staged is None
-            if self.staged is None:
-                self.staged = self._new_buffer()
+            self.staged = self.accumulated
         else:
-            fresh = False
-        self._write(self.staged, fresh=fresh, pre=pre)
+            self.staged.add_(self.accumulated)
+        self.accumulated = None
+        self.written = set()
 
     def reduce(self, divide_factor: float | None, *, all_reduce_replicas: bool = True) -> None:
         """Start the reduce-scatter of the staged buffer over the shard group (asynchronously).

@@ -69,6 +69,7 @@ class ManagedParam:
     full: nn.Parameter | None = None  # the unsharded parameter used by forward/backward
     full_data: torch.Tensor | None = None  # ``full.data``: writes through it do not bump ``full``'s version
     gathered_version: int = field(default=-1)  # sharded._version when ``full`` was last filled
+    full_hooked: bool = False  # ``full`` carries the post-accumulate-grad hook that moves its gradients
 
     def register(self, tensor: torch.Tensor) -> None:
         for module, name in self.owners:
@@ -154,6 +155,17 @@ def _make_full_param(
     )
     full = nn.Parameter(dtensor, requires_grad=requires_grad)
     return full, cast(DTensor, full)._local_tensor.data
+
+
+class _CaptureGrad:
+    """Post-accumulate-grad hook of a full parameter: hands the gradient to the unit's gradient side at once."""
+
+    def __init__(self, unit: ShardedUnit, mp: ManagedParam) -> None:
+        self.unit = unit
+        self.mp = mp
+
+    def __call__(self, param: torch.Tensor) -> None:
+        self.unit.grads.capture(self.mp)
 
 
 class ShardedUnit:
@@ -351,6 +363,7 @@ class ShardedUnit:
         new.state = UnitState.SHARDED
         new._pending_gather = None
         new.grads = UnitGradients(new)
+        new.grads.divide_factor = self.grads.divide_factor
         return new
 
     # ------------------------------------------------------------------ trainability
@@ -377,8 +390,15 @@ class ShardedUnit:
         for mp in self.params:
             if mp.full is not None:
                 mp.full.requires_grad_(mp.trainable)
+                self._hook_full(mp)
         self.grads.refresh()
         return True
+
+    def _hook_full(self, mp: ManagedParam) -> None:
+        """Once per full parameter that requires grad: hand each gradient to ``grads.capture`` as it is made."""
+        if mp.full is not None and mp.full.requires_grad and not mp.full_hooked:
+            mp.full.register_post_accumulate_grad_hook(_CaptureGrad(self, mp))
+            mp.full_hooked = True
 
     def _relayout(self) -> None:
         compute_dtype = self.param_dtype
@@ -471,6 +491,8 @@ class ShardedUnit:
             else:
                 local = torch.empty(mp.placing.local_shape, dtype=self.param_dtype, device=self.device)
             mp.full, mp.full_data = _make_full_param(local, mp.placing, mp.trainable)
+            mp.full_hooked = False
+            self._hook_full(mp)
         assert mp.full_data is not None
         storage = mp.full_data.untyped_storage()
         needed = mp.full_data.numel() * mp.full_data.element_size()

@@ -210,8 +210,11 @@ class ShardState:
         self.full_precision_now = self.full_precision_in_eval and not module.training
         unit = self.unit
         compute_dtype = self._compute_dtype(module)
-        if unit.state is not UnitState.SHARDED and (unit.is_stale() or unit.param_dtype != compute_dtype):
-            unit.reshard()  # kept unsharded across an optimizer step or a precision switch: gather again
+        # Kept unsharded across an optimizer step, or gathered in another precision: gather again. (A unit being
+        # prefetched right now was gathered after the step: only its precision can be wrong.)
+        stale = unit.is_unsharded and unit.is_stale()
+        if unit.state is not UnitState.SHARDED and (stale or unit.param_dtype != compute_dtype):
+            unit.reshard()
         unit.param_dtype = compute_dtype
         unit.unshard()
         if self.root is not None:

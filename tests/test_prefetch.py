@@ -36,7 +36,9 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
 
     inputs, targets = synthetic_batch(cfg, 4, 0)
     x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn(model(x), y).backward()  # the first step records the forward order
+    opt.step()  # prefetches after a step must not be taken for stale gathers (each unit is gathered once)
     unit_module.ShardedUnit.start_unshard = recording  # type: ignore[method-assign]
     try:
         loss_fn(model(x), y).backward()

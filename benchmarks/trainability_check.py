@@ -143,7 +143,7 @@ def render(rows: list[tuple[str, str, dict[str, Any]]], args: argparse.Namespace
     return (
         f"Command: `{command}`\n\n"
         f"Date: {now}; torch {torch.__version__}; Python {platform.python_version()} on {platform.machine()}; one "
-        f"process, gloo world size 1, {torch.get_num_threads()} torch thread(s). Model: {args.params // 2} x "
+        f"process, gloo world size 1, torch threads: {torch.get_num_threads()}. Model: {args.params // 2} x "
         f"nn.Linear({WIDTH}, {WIDTH}) = {args.params} parameters; fwd+bwd on {args.batch} rows.\n\n"
         "**Trainability check per step** — µs per step, best / median of "
         f"{args.repeat} timeit repetitions. No change: `state.unit.refresh_trainable()` for every state of the "

@@ -78,6 +78,9 @@ class UnitGradients:
         self.in_flight: _InFlight | None = None  # a reduction started and not finished
         self.unreduced_over_replicas: torch.Tensor | None = None  # HSDP partial sums while all-reduce is skipped
         self.on_finished: Callable[[], None] | None = None  # e.g. the optimizer step in backward
+        # Set by the root: completes the reduce-scatter in flight, so that at most one full-size gradient buffer
+        # (the one being filled) is alive at a time.
+        self.make_room: Callable[[], None] | None = None
         self.locally_seen: set[int] = set()  # parameters with a gradient on this rank since the last reduce
         self.written: set[int] = set()  # parameters whose region in ``accumulated`` holds a gradient already
         self.column: dict[int, int] = {}  # id(ManagedParam) -> its "had a gradient" flag column in the tail
@@ -132,6 +135,8 @@ class UnitGradients:
 
     def _write_one(self, mp: ManagedParam, grad: torch.Tensor, pre: float) -> None:
         if self.accumulated is None:
+            if self.make_room is not None:
+                self.make_room()
             self.accumulated = self._new_buffer()
             self.written = set()
         buffer = self.accumulated

@@ -170,6 +170,7 @@ class ShardState:
         for state in states:
             state.root = self
             state.root_states = []
+            state.unit.grads.make_room = self._complete_reduction_in_flight
         self.root_states = states
         logger.debug("lazy init: root %s with %d units", self.unit.owner_name, len(states))
 
@@ -329,6 +330,11 @@ class ShardState:
                 self.root._issue_reductions_in_order()
         if self.reshard_after_backward:
             self.unit.reshard()
+
+    def _complete_reduction_in_flight(self) -> None:
+        """Root: let the last reduce-scatter finish (freeing its input) before a new gradient buffer is allocated."""
+        if self.last_reduced is not None:
+            self.last_reduced.unit.grads.advance()
 
     def _issue_reductions_in_order(self) -> None:
         """Root: issue staged reduce-scatters in one fixed order, the same on every rank.

@@ -514,9 +514,6 @@ class ShardedUnit:
         self.state = UnitState.SHARDED
 
     # ------------------------------------------------------------------ gradients (see grads.py)
-    def has_trainable(self) -> bool:
-        return bool(self.grads.trainable)
-
     def has_pending_full_grads(self) -> bool:
         return any(mp.full is not None and mp.full.grad is not None for mp in self.params)
 

@@ -85,6 +85,7 @@ class UnitGradients:
         self.written: set[int] = set()  # parameters whose region in ``accumulated`` holds a gradient already
         self.column: dict[int, int] = {}  # id(ManagedParam) -> its "had a gradient" flag column in the tail
         self.divide_factor: float | None = None  # the unit's setting, for the pre-division ``capture`` applies
+        self.accumulating = False  # set by the state each forward: a no-sync micro-batch (gradients kept here)
         self.refresh()
 
     def refresh(self) -> None:
@@ -121,12 +122,17 @@ class UnitGradients:
         )
 
     def capture(self, mp: ManagedParam) -> None:
-        """Post-accumulate-grad hook of a full parameter: move its gradient into the buffer right away.
+        """Post-accumulate-grad hook of a full parameter: while accumulating, move its gradient into the buffer.
 
-        The unit's buffer (in the reduce-scatter layout, ``reduce_dtype``) is allocated at its first gradient; each
-        gradient is written (or added) into it and freed as soon as autograd produced it, so a unit never holds all
-        its full gradients next to the buffer — only the buffer and the gradient being moved.
+        In a no-sync micro-batch (and in the synced one that ends an accumulation window) each gradient is written
+        (or added) into the unit's buffer in the reduce-scatter layout as soon as autograd produced it, and freed, so
+        the unit never holds all its full gradients next to the accumulation buffer.
         """
+        if self.accumulated is None and not self.accumulating:
+            # A plain synced step: allocating the buffer at the first gradient would keep it alive for the rest of
+            # the unit's backward (for the root, whose head gradient comes first, all of backward); stage() moves
+            # the gradients at post-backward instead.
+            return
         grad = _local_grad(mp)
         if grad is None or id(mp) not in self.column:
             return

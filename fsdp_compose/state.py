@@ -217,6 +217,7 @@ class ShardState:
         if unit.state is not UnitState.SHARDED and (stale or unit.param_dtype != compute_dtype):
             unit.reshard()
         unit.param_dtype = compute_dtype
+        unit.grads.accumulating = not self.reduces_now
         unit.unshard()
         if self.root is not None:
             self.root.recording.append(self)

@@ -452,7 +452,6 @@ def set_gradient_divide_factor(module: nn.Module, factor: float, *, recurse: boo
     if not factor > 0:
         raise ValueError(f"gradient divide factor must be positive, got {factor}")
     for state in _states(module, recurse):
-        state.gradient_divide_factor = float(factor)
         state.unit.grads.divide_factor = float(factor)
 
 

@@ -43,7 +43,6 @@ class _InFlight:
     work: Work | None
     output: torch.Tensor
     buffer: torch.Tensor | None  # kept alive until the reduce-scatter completes
-    divide_factor: float | None
     missing_locally: bool
     all_reduce_started: bool = False
 
@@ -84,7 +83,7 @@ class UnitGradients:
         self.locally_seen: set[int] = set()  # parameters with a gradient on this rank since the last reduce
         self.written: set[int] = set()  # parameters whose region in ``accumulated`` holds a gradient already
         self.column: dict[int, int] = {}  # id(ManagedParam) -> its "had a gradient" flag column in the tail
-        self.divide_factor: float | None = None  # the unit's setting, for the pre-division ``capture`` applies
+        self.divide_factor: float | None = None  # fc.set_gradient_divide_factor (None: the data-parallel size)
         self.accumulating = False  # set by the state each forward: a no-sync micro-batch (gradients kept here)
         self.refresh()
 
@@ -136,20 +135,28 @@ class UnitGradients:
         grad = _local_grad(mp)
         if grad is None or id(mp) not in self.column:
             return
-        pre, _ = divide_factors(self.unit.dp.size, self.divide_factor, self.unit.reduce_dtype)
-        self._write_one(mp, grad, pre)
+        self._write_one(mp, grad, self._pre_divisor())
+
+    def _pre_divisor(self) -> float:
+        return divide_factors(self.unit.dp.size, self.divide_factor, self.unit.reduce_dtype)[0]
+
+    def _scalar_column(self, mp: ManagedParam) -> int:
+        """Tail column of a 0-dim parameter's gradient (after the segment and the flag columns)."""
+        return self.layout.segment_numel + len(self.trainable) + self.scalar[id(mp)]
+
+    def _start_buffer(self, *, make_room: bool) -> torch.Tensor:
+        if make_room and self.make_room is not None:
+            self.make_room()
+        self.accumulated = self._new_buffer()
+        self.written = set()
+        return self.accumulated
 
     def _write_one(self, mp: ManagedParam, grad: torch.Tensor, pre: float) -> None:
-        if self.accumulated is None:
-            if self.make_room is not None:
-                self.make_room()
-            self.accumulated = self._new_buffer()
-            self.written = set()
-        buffer = self.accumulated
+        buffer = self.accumulated if self.accumulated is not None else self._start_buffer(make_room=True)
         fresh = id(mp) not in self.written
         segment = self.layout.segment_numel
         if id(mp) in self.scalar:
-            column = buffer[:, segment + len(self.trainable) + self.scalar[id(mp)]]
+            column = buffer[:, self._scalar_column(mp)]
             source = grad.reshape(1).expand(self.unit.world_size)
             column.copy_(source).div_(pre) if fresh else column.add_(source, alpha=1.0 / pre)
         else:
@@ -162,9 +169,9 @@ class UnitGradients:
         assert mp.full is not None
         mp.full.grad = None
 
-    def _flush(self, divide_factor: float | None) -> None:
-        """Move gradients the hook did not see (none, normally) into the buffer."""
-        pre, _ = divide_factors(self.unit.dp.size, divide_factor, self.unit.reduce_dtype)
+    def _flush(self) -> None:
+        """Move gradients the hook did not see into the buffer (all of them in a plain synced step)."""
+        pre = self._pre_divisor()
         for mp in self.trainable:
             grad = _local_grad(mp)
             if grad is not None:
@@ -177,35 +184,33 @@ class UnitGradients:
             if id(mp) in self.written:
                 continue
             if id(mp) in self.scalar:
-                buffer[:, segment + len(self.trainable) + self.scalar[id(mp)]].zero_()
+                buffer[:, self._scalar_column(mp)].zero_()
             else:
                 slot = self.layout.slots[self.slot[id(mp)]]
                 buffer[:, slot.offset : slot.offset + slot.numel].zero_()
             buffer[:, segment + self.column[id(mp)]].zero_()
 
-    def accumulate(self, divide_factor: float | None) -> None:
+    def accumulate(self) -> None:
         """A no-sync micro-batch ended: its gradients are in the accumulation buffer (moved there by ``capture``)."""
-        self._flush(divide_factor)
+        self._flush()
 
-    def stage(self, divide_factor: float | None) -> None:
+    def stage(self) -> None:
         """This backward's gradients, added to any accumulated ones, become the reduce-scatter input — the same
         buffer, in place: no second buffer, no copy. A second stage before the reduce adds to the first."""
         if not self.trainable:
             return
         self.finish()  # a second use of the unit in one backward: its first reduction completes first
-        self._flush(divide_factor)
-        if self.accumulated is None:
-            self.accumulated = self._new_buffer()
-            self.written = set()
-        self._complete(self.accumulated)
+        self._flush()
+        buffer = self.accumulated if self.accumulated is not None else self._start_buffer(make_room=False)
+        self._complete(buffer)
         if self.staged is None:
-            self.staged = self.accumulated
+            self.staged = buffer
         else:
-            self.staged.add_(self.accumulated)
+            self.staged.add_(buffer)
         self.accumulated = None
         self.written = set()
 
-    def reduce(self, divide_factor: float | None, *, all_reduce_replicas: bool = True) -> None:
+    def reduce(self, *, all_reduce_replicas: bool = True) -> None:
         """Start the reduce-scatter of the staged buffer over the shard group (asynchronously).
 
         The reduction then moves on in ``advance`` (wait for it; for HSDP start the all-reduce over replicas) and
@@ -232,7 +237,7 @@ class UnitGradients:
         missing_locally = len(self.locally_seen) < len(self.trainable)
         self.locally_seen = set()
         skip_all_reduce = unit.dp.replicate_group is not None and not all_reduce_replicas
-        self.in_flight = _InFlight(work, output, buffer if work is not None else None, divide_factor, missing_locally)
+        self.in_flight = _InFlight(work, output, buffer if work is not None else None, missing_locally)
         if skip_all_reduce:
             self._wait_reduce_scatter(self.in_flight)
             self.in_flight = None
@@ -283,10 +288,10 @@ class UnitGradients:
         self._wait_reduce_scatter(flight)
         if flight.work is not None:
             flight.work.wait()
-        output, divide_factor, missing_locally = flight.output, flight.divide_factor, flight.missing_locally
+        output, missing_locally = flight.output, flight.missing_locally
         unit = self.unit
         segment = self.layout.segment_numel
-        _, post = divide_factors(unit.dp.size, divide_factor, unit.reduce_dtype)
+        _, post = divide_factors(unit.dp.size, self.divide_factor, unit.reduce_dtype)
         if post != 1.0:
             output.div_(post)
         had_grad = (output[segment : segment + len(self.trainable)] > 0).tolist() if missing_locally else None

@@ -107,7 +107,6 @@ class ShardState:
         self.reshard_after_forward_setting = reshard_after_forward  # None: decided at lazy init (root keeps)
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        self.gradient_divide_factor: float | None = None
         self.gradient_accumulation: GradientAccumulation = "unsharded"
         self.requires_all_reduce = True  # HSDP: all-reduce over replicas after the reduce-scatter
         self.full_precision_in_eval = False
@@ -321,11 +320,11 @@ class ShardState:
         self.training_state = TrainingState.IDLE
         grads = self.unit.grads
         if not self.reduces_now:
-            grads.accumulate(self.gradient_divide_factor)
+            grads.accumulate()
         elif grads.trainable:
-            grads.stage(self.gradient_divide_factor)
+            grads.stage()
             if self.reduce_issued:  # a second use of the unit in this backward: its turn has passed, go now
-                grads.reduce(self.gradient_divide_factor, all_reduce_replicas=self.requires_all_reduce)
+                grads.reduce(all_reduce_replicas=self.requires_all_reduce)
                 grads.finish()
             elif self.root is not None:
                 self.root._issue_reductions_in_order()
@@ -355,7 +354,7 @@ class ShardState:
                     # one reduce-scatter in flight at a time: the previous one completes (its input buffer is
                     # freed) before the next starts, while backward goes on
                     self.last_reduced.unit.grads.advance()
-                state.unit.grads.reduce(state.gradient_divide_factor, all_reduce_replicas=state.requires_all_reduce)
+                state.unit.grads.reduce(all_reduce_replicas=state.requires_all_reduce)
                 state.reduce_issued = True
                 self.last_reduced = state
             self.next_reduction += 1
@@ -371,7 +370,7 @@ class ShardState:
             if state.post_backward_pending:
                 state.post_backward()
             elif state.reduces_now and not state.reduce_issued and state.unit.grads.trainable:
-                state.unit.grads.stage(state.gradient_divide_factor)
+                state.unit.grads.stage()
             if state.reshard_after_backward and state.unit.state is not UnitState.SHARDED:
                 state.unit.reshard()
         self._issue_reductions_in_order()

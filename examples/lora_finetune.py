@@ -107,7 +107,8 @@ def main() -> None:
                 f"tokens/s {tokens_per_step / elapsed:,.0f}",
                 flush=True,
             )
-    dist.barrier()
+    # No dist.barrier() before this: gloo's barrier keeps the previous collective (and its tensors) alive, and
+    # a worker thread that releases them after the interpreter began shutting down aborts the process.
     dist.destroy_process_group()
 
 

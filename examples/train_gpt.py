@@ -118,7 +118,8 @@ def main() -> None:
         if rank == 0:
             mean_loss = loss.item() / world_size
             print(f"step {step:3d}  loss {mean_loss:.4f}  tokens/s {tokens_per_step / elapsed:,.0f}", flush=True)
-    dist.barrier()
+    # No dist.barrier() before this: gloo's barrier keeps the previous collective (and its tensors) alive, and
+    # a worker thread that releases them after the interpreter began shutting down aborts the process.
     dist.destroy_process_group()
 
 

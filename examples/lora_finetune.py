@@ -68,10 +68,23 @@ def main() -> None:
     args = parse_args()
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    mesh = init_device_mesh("cuda" if use_cuda else "cpu", (world_size,), mesh_dim_names=("dp",))
+    train(args, "cuda" if use_cuda else "cpu")
+    on_gloo = dist.get_backend() == "gloo"
+    dist.destroy_process_group()
+    if on_gloo:
+        # Skip interpreter teardown on gloo: torch keeps gloo's worker threads alive past destroy_process_group once
+        # DTensor ops ran, and a worker that releases its last collective's tensors while Python shuts down needs
+        # the GIL and aborts the process (rarely, on a loaded machine; see pytorch/pytorch#179291).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def train(args: argparse.Namespace, device_type: str) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
     if args.batch_size % world_size:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {world_size} ranks")
 
@@ -98,18 +111,16 @@ def main() -> None:
         loss = loss_fn(model(inputs), targets)
         loss.backward()
         optimizer.step()
-        dist.all_reduce(loss.detach(), op=dist.ReduceOp.SUM)
+        loss_sum = loss.detach().clone()
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
         elapsed = time.perf_counter() - start
         if rank == 0:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             print(
-                f"step {step:3d}  loss {loss.item() / world_size:.4f}  trainable {trainable:,}  "
+                f"step {step:3d}  loss {loss_sum.item() / world_size:.4f}  trainable {trainable:,}  "
                 f"tokens/s {tokens_per_step / elapsed:,.0f}",
                 flush=True,
             )
-    # No dist.barrier() before this: gloo's barrier keeps the previous collective (and its tensors) alive, and
-    # a worker thread that releases them after the interpreter began shutting down aborts the process.
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

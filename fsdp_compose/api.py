@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Shard
 
 from .extensions import ShardExtensions
-from .meshes import check_dp_mesh, param_placing
+from .meshes import check_dp_mesh, check_post_forward_size, param_placing, post_forward_group
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
 from .unit import MOVED_ATTR, OWNER_ATTR, ShardedUnit
@@ -72,12 +72,8 @@ def fully_shard(
     """
     modules = _as_module_list(module)
     mesh = _resolve_mesh(mesh)
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            "reshard_after_forward as an int (reshard to a smaller group) is not supported yet; pass True or False"
-        )
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}")
+    owner_name = _describe(modules)
+    reshard_after_forward = _reshard_after_forward_setting(reshard_after_forward, mesh, owner_name)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be an fc.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -90,7 +86,6 @@ def fully_shard(
         raise ValueError(f'frozen_params must be "shard" or "replicate", got {frozen_params!r}')
     ignored = _ignored_ids(ignored_params)
 
-    owner_name = _describe(modules)
     params, lifts = _collect_params(modules, ignored, owner_name)
     device = _mesh_device(mesh)
     _check_params(params, shard_placement_fn, owner_name)
@@ -113,6 +108,8 @@ def fully_shard(
         frozen_params,
         extensions,
     )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        unit.post_forward = post_forward_group(mesh, reshard_after_forward)
     state = ShardState(
         tuple(modules),
         unit,
@@ -129,6 +126,26 @@ def fully_shard(
 
 
 # ---------------------------------------------------------------------- validation helpers
+def _reshard_after_forward_setting(
+    value: object, mesh: DeviceMesh, owner: str, *, allow_none: bool = True
+) -> bool | int | None:
+    """Check ``reshard_after_forward`` and normalize it: an int that equals the shard group's size is True, 1 is
+    False (every rank keeps everything); any other int stays (a post-forward group of that size)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward for {owner} must be None, a bool or an int, got {value!r}")
+    shard_size = mesh.size(mesh.ndim - 1)
+    check_post_forward_size(value, shard_size, owner)
+    if value == shard_size:
+        return True
+    if value == 1:
+        return False
+    return value
+
+
 def _as_module_list(module: Any) -> list[nn.Module]:
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
@@ -377,12 +394,23 @@ def no_sync(module: nn.Module) -> Iterator[None]:
             state.requires_gradient_sync = value
 
 
-def set_reshard_after_forward(module: nn.Module, value: bool, *, recurse: bool = True) -> None:
-    """Free full parameters after forward (True) or keep them until backward (False: no second all-gather)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"reshard_after_forward must be a bool here, got {value!r}")
-    for state in _states(module, recurse):
-        state.reshard_after_forward_setting = value
+def set_reshard_after_forward(module: nn.Module, value: bool | int, *, recurse: bool = True) -> None:
+    """Free full parameters after forward (True), keep them until backward (False: no second all-gather), or keep
+    ``1/k`` of them per rank (an int ``k``: backward re-gathers within groups of ``k`` ranks, e.g. one node).
+
+    With an int, every rank must make the same call (it may create the process groups of size ``k``).
+    """
+    states = _states(module, recurse)
+    settings = [
+        _reshard_after_forward_setting(value, state.unit.dp.mesh, state.unit.owner_name, allow_none=False)
+        for state in states
+    ]
+    for state, setting in zip(states, settings, strict=True):
+        state.reshard_after_forward_setting = setting
+        if isinstance(setting, int) and not isinstance(setting, bool):
+            state.unit.post_forward = post_forward_group(state.unit.dp.mesh, setting)
+        else:
+            state.unit.post_forward = None
 
 
 def set_reshard_after_backward(module: nn.Module, value: bool, *, recurse: bool = True) -> None:

@@ -26,7 +26,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["DataParallelMesh", "ParamPlacing", "check_dp_mesh", "param_placing"]
+__all__ = [
+    "DataParallelMesh",
+    "ParamPlacing",
+    "PostForwardGroup",
+    "check_dp_mesh",
+    "check_post_forward_size",
+    "param_placing",
+    "post_forward_group",
+]
 
 
 def check_dp_mesh(mesh: DeviceMesh) -> None:
@@ -169,3 +177,56 @@ def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str
         tp_mesh,
         tuple(param.placements),
     )
+
+
+# Attribute on a data-parallel DeviceMesh caching its post-forward groups by size: every unit resharding to groups of
+# the same size on that mesh shares them (process groups are costly to create). It lives on the mesh instance.
+_POST_FORWARD_GROUPS_ATTR = "_fsdp_compose_post_forward_groups"
+
+
+@dataclass(frozen=True)
+class PostForwardGroup:
+    """``reshard_after_forward=k``: the group of ``k`` consecutive shard ranks this rank re-gathers from in backward.
+
+    Member ``position`` of the group keeps segments ``[position * W/k, (position + 1) * W/k)`` of the unit's
+    all-gathered buffer, so an all-gather over the group yields all ``W`` segments in order.
+    """
+
+    group: dist.ProcessGroup
+    size: int
+    position: int
+
+
+def check_post_forward_size(value: int, shard_size: int, owner: str) -> None:
+    """Raise (before any collective) unless ``value`` divides the shard group's size."""
+    if value < 1 or shard_size % value:
+        divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
+        raise ValueError(
+            f"reshard_after_forward={value} for {owner}: an int is the size of the group parameters are resharded to "
+            f"after forward and must divide the shard group's size {shard_size}; use one of {divisors} "
+            "(or True / False)"
+        )
+
+
+def post_forward_group(mesh: DeviceMesh, size: int) -> PostForwardGroup:
+    """The post-forward group of ``size`` consecutive ranks of ``mesh``'s shard dim (collective: call on every rank)."""
+    cache: dict[int, PostForwardGroup] = mesh.__dict__.setdefault(_POST_FORWARD_GROUPS_ATTR, {})
+    if size in cache:
+        return cache[size]
+    shard_dim = mesh.ndim - 1
+    shard_size = mesh.size(shard_dim)
+    names = mesh.mesh_dim_names
+    if names is not None:
+        # Splitting the shard dim with DeviceMesh keeps group creation consistent on every rank of the root mesh,
+        # including for a data-parallel submesh of a (dp, tp) mesh.
+        inner = f"{names[shard_dim]}_fc_post_forward_{size}"
+        split = mesh[names[shard_dim]]._unflatten(0, (shard_size // size, size), (f"{inner}_outer", inner))
+        group = split.get_group(inner)
+    else:
+        # An unnamed mesh is a root 1-D mesh (slicing needs names): its rank tensor lists every rank.
+        rows = mesh.mesh.reshape(-1, size).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(rows)
+    assert group is not None
+    result = PostForwardGroup(group, size, dist.get_rank(group))
+    cache[size] = result
+    return result

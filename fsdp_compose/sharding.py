@@ -31,6 +31,7 @@ __all__ = [
     "local_rows",
     "padded_rows",
     "write_grad_into_segments",
+    "write_param_into_segments",
 ]
 
 
@@ -141,3 +142,19 @@ def write_grad_into_segments(
             dst.copy_(src)
         else:
             torch.div(src, scale, out=dst)
+
+
+def write_param_into_segments(full: torch.Tensor, segments: torch.Tensor, slot: ParamSlot, first: int) -> None:
+    """Write the rows of ``full`` that belong to segments ``first, first + 1, ...`` into ``segments``.
+
+    ``segments`` is ``(count, segment_numel)``: rows ``first .. first + count - 1`` of a gathered buffer. The inverse of
+    ``copy_param_from_segments`` for a contiguous range of ranks; padding positions are left as they are.
+    """
+    dim0 = slot.shape[0]
+    if dim0 == 0 or slot.row_numel == 0:
+        return
+    rows = full.reshape(dim0, slot.row_numel)
+    for index in range(segments.shape[0]):
+        start = min((first + index) * slot.rows, dim0)
+        owned = rows[start : min(start + slot.rows, dim0)]
+        segments[index, slot.offset : slot.offset + owned.numel()].view_as(owned).copy_(owned)

@@ -93,7 +93,7 @@ class ShardState:
         unit: ShardedUnit,
         mesh: DeviceMesh,
         device: torch.device,
-        reshard_after_forward: bool | None,
+        reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy,
         auto_refresh_trainable: bool,
     ) -> None:
@@ -104,7 +104,8 @@ class ShardState:
         self.mp_policy = mp_policy
         self.auto_refresh_trainable = auto_refresh_trainable
         # Settings (changed through the fc.set_* functions).
-        self.reshard_after_forward_setting = reshard_after_forward  # None: decided at lazy init (root keeps)
+        # None: decided at lazy init (the root keeps); an int k: keep 1/k per rank (see ShardedUnit.reshard_to_group)
+        self.reshard_after_forward_setting = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.gradient_accumulation: GradientAccumulation = "unsharded"
@@ -153,7 +154,7 @@ class ShardState:
     def reshard_after_forward(self) -> bool:
         if self.reshard_after_forward_setting is None:
             return not self.is_root
-        return self.reshard_after_forward_setting
+        return bool(self.reshard_after_forward_setting)
 
     def lazy_init(self) -> None:
         """Become the root of every state below this one. Checks run first, so a bad model fails before a collective."""
@@ -178,8 +179,8 @@ class ShardState:
             self.forward_order, self.recording = self.recording, []
         # A forward with grad enabled and no backward (e.g. evaluation without no_grad) leaves per-step flags set.
         for state in self.root_states:
-            if state.unit.state is UnitState.GATHERING:
-                state.unit.reshard()  # a prefetch nobody used
+            if state.unit.state in (UnitState.GATHERING, UnitState.GROUP_SHARDED):
+                state.unit.reshard()  # a prefetch nobody used, or a forward that had no backward
             state._reset_step()
             # The cheap per-step trainability check: one bool comparison per parameter.
             if state.auto_refresh_trainable and state.unit.refresh_trainable():
@@ -255,8 +256,13 @@ class ShardState:
             for leaf in tree_flatten(output)[0]
             if torch.is_grad_enabled() and isinstance(leaf, torch.Tensor) and leaf.requires_grad
         ]
-        if not grad_outputs or self.reshard_after_forward:
+        if not grad_outputs:
             self.unit.reshard()
+        elif self.reshard_after_forward:
+            if self.unit.post_forward is not None:
+                self.unit.reshard_to_group()
+            else:
+                self.unit.reshard()
         for leaf in grad_outputs:
             leaf.register_hook(self._pre_backward)
         return output
@@ -308,7 +314,7 @@ class ShardState:
         """
         for target in implicit if explicit is None else explicit:
             unit = target.unit
-            if unit.state is UnitState.SHARDED and target.training_state is not TrainingState.PRE_BACKWARD:
+            if unit.needs_gather and target.training_state is not TrainingState.PRE_BACKWARD:
                 unit.param_dtype = target._compute_dtype(target.modules[0])
                 unit.start_unshard(async_op=True)
 

@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor, Placement
 from .collectives import Work, all_gather_flat
 from .extensions import ShardExtensions
 from .grads import UnitGradients
-from .meshes import DataParallelMesh, ParamPlacing
-from .sharding import FlatLayout, copy_param_from_segments, local_rows
+from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup
+from .sharding import FlatLayout, copy_param_from_segments, local_rows, write_param_into_segments
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ class UnitState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"  # an all-gather is in flight
     UNSHARDED = "unsharded"
+    # After forward with reshard_after_forward=k: sharded parameters registered, plus 1/k of the gathered buffer kept
+    # so that backward re-gathers within a group of k ranks (e.g. one node) instead of the whole shard group.
+    GROUP_SHARDED = "group_sharded"
 
 
 @dataclass
@@ -157,15 +160,32 @@ def _make_full_param(
     return full, cast(DTensor, full)._local_tensor.data
 
 
+@dataclass
+class _PendingGather:
+    """An all-gather in flight. It holds its input too: an asynchronous collective reads it until the wait."""
+
+    work: Work | None
+    output: torch.Tensor
+    input: torch.Tensor
+    encoded: bool  # the output needs the all-gather extension's decode
+
+
 class _CaptureGrad:
-    """Post-accumulate-grad hook of a full parameter: hands the gradient to the unit's gradient side at once."""
+    """Post-accumulate-grad hook of a full parameter: hands the gradient to the unit's gradient side at once.
+
+    It holds the unit and the parameter record weakly: autograd keeps a tensor's hooks alive from C++, so a strong
+    reference back to the unit would form a cycle the garbage collector cannot see, and a deleted model (with its
+    buffers and process groups) would never be freed.
+    """
 
     def __init__(self, unit: ShardedUnit, mp: ManagedParam) -> None:
-        self.unit = unit
-        self.mp = mp
+        self.unit = weakref.ref(unit)
+        self.mp = weakref.ref(mp)
 
     def __call__(self, param: torch.Tensor) -> None:
-        self.unit.grads.capture(self.mp)
+        unit, mp = self.unit(), self.mp()
+        if unit is not None and mp is not None:
+            unit.grads.capture(mp)
 
 
 class ShardedUnit:
@@ -193,7 +213,9 @@ class ShardedUnit:
         self.owner_name = owner_name
         self.frozen_params = frozen_params
         self.state = UnitState.SHARDED
-        self._pending_gather: tuple[Work | None, torch.Tensor] | None = None
+        self._pending_gather: _PendingGather | None = None
+        self.post_forward: PostForwardGroup | None = None  # set by reshard_after_forward=k (1 < k < world size)
+        self._group_block: torch.Tensor | None = None  # GROUP_SHARDED: this rank's W/k segments of the gathered buffer
         dtypes = [p.dtype for _, p, _ in params if p.ndim > 0] or [p.dtype for _, p, _ in params] or [torch.float32]
         self.orig_dtype: torch.dtype = dtypes[0]
         self.param_dtype = param_dtype or self.orig_dtype
@@ -362,6 +384,7 @@ class ShardedUnit:
         new.flat = torch.zeros(0, dtype=self.orig_dtype, device="meta")
         new.state = UnitState.SHARDED
         new._pending_gather = None
+        new._group_block = None
         new.grads = UnitGradients(new)
         new.grads.divide_factor = self.grads.divide_factor
         return new
@@ -435,8 +458,19 @@ class ShardedUnit:
         """True when unsharded but a sharded parameter changed since (e.g. an optimizer step in between)."""
         return any(mp.sharded._version != mp.gathered_version for mp in self.params)
 
+    @property
+    def needs_gather(self) -> bool:
+        return self.state is UnitState.SHARDED or self.state is UnitState.GROUP_SHARDED
+
     def start_unshard(self, *, async_op: bool) -> None:
         """Issue the all-gather (no-op when already unsharded or gathering)."""
+        if self.state is UnitState.GROUP_SHARDED:
+            block = self._group_block
+            self._group_block = None
+            if block is not None and block.dtype == self.param_dtype:
+                self._start_group_gather(block, async_op=async_op)
+                return
+            self.state = UnitState.SHARDED  # gathered in another precision since: gather from the shards
         if self.state is not UnitState.SHARDED:
             return
         if not self.views_intact():
@@ -446,11 +480,19 @@ class ShardedUnit:
         if transform is not None:
             shard = transform.encode(shard)
         if self.world_size == 1 or self.layout.segment_numel == 0:
-            self._pending_gather = (None, shard)
+            self._pending_gather = _PendingGather(None, shard, shard, encoded=transform is not None)
         else:
             gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
             work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
-            self._pending_gather = (work, gathered)
+            self._pending_gather = _PendingGather(work, gathered, shard, encoded=transform is not None)
+        self.state = UnitState.GATHERING
+
+    def _start_group_gather(self, block: torch.Tensor, *, async_op: bool) -> None:
+        """All-gather the post-forward blocks within the group of k ranks: all ``W`` segments, in order."""
+        assert self.post_forward is not None
+        gathered = torch.empty(self.world_size * self.layout.segment_numel, dtype=block.dtype, device=block.device)
+        work = all_gather_flat(gathered, block.view(-1), self.post_forward.group, async_op=async_op)
+        self._pending_gather = _PendingGather(work, gathered, block, encoded=False)
         self.state = UnitState.GATHERING
 
     def finish_unshard(self) -> None:
@@ -458,12 +500,12 @@ class ShardedUnit:
         if self.state is not UnitState.GATHERING:
             return
         assert self._pending_gather is not None
-        work, gathered = self._pending_gather
-        self._pending_gather = None
-        if work is not None:
-            work.wait()
+        pending, self._pending_gather = self._pending_gather, None
+        if pending.work is not None:
+            pending.work.wait()
+        gathered = pending.output
         transform = self.extensions.all_gather
-        if transform is not None:
+        if pending.encoded and transform is not None:
             segments = transform.decode(gathered.view(self.world_size, -1), self.param_dtype)
             segments = segments[:, : self.layout.segment_numel]
         else:
@@ -504,6 +546,9 @@ class ShardedUnit:
         """Register the sharded parameters again and free the full parameters' storage (keeping the objects)."""
         if self.state is UnitState.GATHERING:
             self.finish_unshard()
+        if self.state is UnitState.GROUP_SHARDED:
+            self._group_block = None
+            self.state = UnitState.SHARDED
         if self.state is UnitState.SHARDED:
             return
         for mp in self.params:
@@ -512,6 +557,27 @@ class ShardedUnit:
             if full_data is not None and full_data.untyped_storage().data_ptr() != mp.sharded._local_tensor.data_ptr():
                 full_data.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
+
+    def reshard_to_group(self) -> None:
+        """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest.
+
+        The kept block is cut from the full parameters (already in the compute dtype), so backward all-gathers
+        ``1/k`` of the unit per rank within the group instead of ``1/W`` over the whole shard group.
+        """
+        if self.state is UnitState.GATHERING:
+            self.finish_unshard()
+        if self.state is not UnitState.UNSHARDED or self.post_forward is None or self.world_size == 1:
+            self.reshard()
+            return
+        per_member = self.world_size // self.post_forward.size
+        first = self.post_forward.position * per_member
+        block = torch.zeros(per_member, self.layout.segment_numel, dtype=self.param_dtype, device=self.device)
+        for mp in self.params:
+            if mp.slot is not None and mp.full_data is not None:
+                write_param_into_segments(mp.full_data, block, self.layout.slots[mp.slot], first)
+        self.reshard()
+        self._group_block = block
+        self.state = UnitState.GROUP_SHARDED
 
     # ------------------------------------------------------------------ gradients (see grads.py)
     def has_pending_full_grads(self) -> bool:

@@ -51,6 +51,18 @@ def _errors_at_shard_time(rank: int, ws: int) -> None:
     _expect(TypeError, "nn.Module", fc.fully_shard, [model, "x"], mesh=mesh)
     _expect(TypeError, "MixedPrecisionPolicy", fc.fully_shard, model, mesh=mesh, mp_policy=torch.bfloat16)
     _expect(ValueError, "frozen_params", fc.fully_shard, model, mesh=mesh, frozen_params="freeze")
+    # an int reshard_after_forward must divide the shard group's size
+    _expect(
+        ValueError,
+        rf"reshard_after_forward={ws + 1} for Sequential.*divide.*size {ws}",
+        fc.fully_shard,
+        model,
+        mesh=mesh,
+        reshard_after_forward=ws + 1,
+    )
+    _expect(
+        TypeError, "reshard_after_forward for Sequential", fc.fully_shard, model, mesh=mesh, reshard_after_forward="yes"
+    )
     _expect(TypeError, "floating-point torch.dtype", fc.MixedPrecisionPolicy, param_dtype=torch.int8)
     _assert_untouched(model, before)
 

@@ -4,6 +4,8 @@ no_sync, forward methods, checkpointing a whole unit, forwards without backward.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -200,3 +202,24 @@ def _unused_unit(rank: int, ws: int) -> tuple[bool, bool]:
 def test_unit_outside_the_loss_gets_no_gradient(run_dist, ws: int) -> None:
     for aux_none, used_set in run_dist(ws, _unused_unit):
         assert aux_none and used_set
+
+
+def _deleted_model_is_freed(rank: int, ws: int) -> tuple[bool, bool]:
+    cfg = GPTConfig()
+    _, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws))
+    opt = make_optimizer("adamw")(model.parameters())
+    inputs, targets = synthetic_batch(cfg, 4, 0)
+    loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
+    opt.step()
+    units = [weakref.ref(fc.get_state(m).unit) for m in [*model.blocks, model]]  # type: ignore[union-attr]
+    flat = weakref.ref(fc.get_state(model.blocks[0]).unit.flat)  # type: ignore[union-attr]
+    del model, opt
+    gc.collect()
+    return all(u() is None for u in units), flat() is None
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_a_deleted_model_is_freed(run_dist, ws: int) -> None:
+    """Nothing (hooks included) keeps a trained, deleted sharded model alive: its buffers and groups are freed."""
+    assert run_dist(ws, _deleted_model_is_freed) == [(True, True)] * ws

@@ -19,6 +19,7 @@ from fsdp_compose.sharding import (
     local_rows,
     padded_rows,
     write_grad_into_segments,
+    write_param_into_segments,
 )
 
 SETTINGS = settings(max_examples=200, deadline=None)
@@ -197,3 +198,31 @@ def test_accumulating_micro_batches_with_pre_divide(
             torch.testing.assert_close(
                 layout.shard_view(buffer[rank], i, rank), chunk_or_empty(total, rank, ws), rtol=1e-6, atol=1e-6
             )
+
+
+@SETTINGS
+@given(layouts(), st.integers(0, 2**31), st.data())
+def test_post_forward_blocks_rebuild_the_gathered_buffer(
+    case: tuple[int, list[tuple[int, ...]]], seed: int, data: st.DataObject
+) -> None:
+    """reshard_after_forward=k: member j of a group keeps segments [j*W/k, (j+1)*W/k) cut from the full tensors;
+    stacking the k blocks (the group's all-gather) gives every parameter back exactly."""
+    ws, shape_list = case
+    k = data.draw(st.sampled_from([d for d in range(1, ws + 1) if ws % d == 0]))
+    per_member = ws // k
+    fulls = [randn(s, seed + i) for i, s in enumerate(shape_list)]
+    layout = FlatLayout.build([t.shape for t in fulls], ws)
+    blocks = []
+    for member in range(k):
+        block = torch.zeros(per_member, layout.segment_numel, dtype=torch.float64)
+        for i, full in enumerate(fulls):
+            write_param_into_segments(full, block, layout.slots[i], member * per_member)
+        blocks.append(block)
+    gathered = torch.cat(blocks)
+    for i, full in enumerate(fulls):
+        out = nan_buffer(*full.shape)
+        copy_param_from_segments(out, gathered, layout.slots[i])
+        assert torch.equal(out, full), f"param {i} shape {tuple(full.shape)} ws={ws} k={k}"
+    for rank in range(ws):  # and each segment holds exactly that rank's rows where its shard views point
+        for i, full in enumerate(fulls):
+            assert torch.equal(layout.shard_view(gathered[rank], i, rank), local_rows(full, rank, ws))

@@ -18,7 +18,8 @@ from torch.distributed.tensor import Placement, Shard
 
 from .extensions import ShardExtensions
 from .meshes import check_dp_mesh, param_placing
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .offload import check_offload_policy
+from .policies import MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
 from .unit import MOVED_ATTR, OWNER_ATTR, ShardedUnit
 
@@ -80,10 +81,6 @@ def fully_shard(
         raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be an fc.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be an fc.OffloadPolicy, got {type(offload_policy).__name__}")
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError("CPUOffloadPolicy is not supported yet; use fc.OffloadPolicy()")
     if extensions is not None and not isinstance(extensions, ShardExtensions):
         raise TypeError(f"extensions must be an fc.ShardExtensions, got {type(extensions).__name__}")
     if frozen_params not in ("shard", "replicate"):
@@ -91,6 +88,7 @@ def fully_shard(
     ignored = _ignored_ids(ignored_params)
 
     owner_name = _describe(modules)
+    check_offload_policy(offload_policy, mesh, owner_name)
     params, lifts = _collect_params(modules, ignored, owner_name)
     device = _mesh_device(mesh)
     _check_params(params, shard_placement_fn, owner_name)
@@ -112,6 +110,7 @@ def fully_shard(
         owner_name,
         frozen_params,
         extensions,
+        offload_policy,
     )
     state = ShardState(
         tuple(modules),

@@ -18,7 +18,8 @@ from torch.distributed.tensor import Placement, Shard
 
 from .extensions import ShardExtensions
 from .meshes import check_dp_mesh, check_post_forward_size, param_placing, post_forward_group
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .offload import check_offload_policy
+from .policies import MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
 from .unit import MOVED_ATTR, OWNER_ATTR, ShardedUnit
 
@@ -76,16 +77,13 @@ def fully_shard(
     reshard_after_forward = _reshard_after_forward_setting(reshard_after_forward, mesh, owner_name)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be an fc.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be an fc.OffloadPolicy, got {type(offload_policy).__name__}")
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError("CPUOffloadPolicy is not supported yet; use fc.OffloadPolicy()")
     if extensions is not None and not isinstance(extensions, ShardExtensions):
         raise TypeError(f"extensions must be an fc.ShardExtensions, got {type(extensions).__name__}")
     if frozen_params not in ("shard", "replicate"):
         raise ValueError(f'frozen_params must be "shard" or "replicate", got {frozen_params!r}')
     ignored = _ignored_ids(ignored_params)
 
+    check_offload_policy(offload_policy, mesh, owner_name)
     params, lifts = _collect_params(modules, ignored, owner_name)
     device = _mesh_device(mesh)
     _check_params(params, shard_placement_fn, owner_name)
@@ -107,6 +105,7 @@ def fully_shard(
         owner_name,
         frozen_params,
         extensions,
+        offload_policy,
     )
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         unit.post_forward = post_forward_group(mesh, reshard_after_forward)

@@ -122,7 +122,10 @@ def _group_gradients(params: list[torch.Tensor]) -> list[_Group]:
         key = tuple(id(pg) for pg in process_groups)
         group = groups.get(key)
         if group is None:
-            group = groups[key] = _Group(process_groups, source.device)
+            # A DTensor's own device is its local tensor's, which is host memory under CPU offload: the mesh's
+            # device is the one its process groups communicate on.
+            device = torch.device(source.device_mesh.device_type) if isinstance(source, DTensor) else source.device
+            group = groups[key] = _Group(process_groups, device)
         if local is not None:
             group.grads.append(local)
     return list(groups.values())

@@ -11,6 +11,7 @@ reduce-scatter bytes. One backward of a unit goes::
     advance()     (when the next unit reduces) wait for it and free its input; for HSDP start the asynchronous
                   all-reduce over the replicate group
     finish()      wait for what is left; every rank's rows become (or are added to) its sharded DTensor ``.grad``
+                  (under CPU offload, after one copy of the reduced shard to host memory)
 
 The tail of the buffer is written by every rank into every segment: one "had a gradient" count per trainable
 parameter and the gradients of 0-dim parameters. After the reduce-scatter every rank therefore knows which parameters
@@ -294,6 +295,7 @@ class UnitGradients:
         _, post = divide_factors(unit.dp.size, self.divide_factor, unit.reduce_dtype)
         if post != 1.0:
             output.div_(post)
+        output = unit.devices.to_shard(output)  # offloaded: the sharded .grad lives in host memory
         had_grad = (output[segment : segment + len(self.trainable)] > 0).tolist() if missing_locally else None
         for index, mp in enumerate(self.trainable):
             if had_grad is not None and not had_grad[index]:

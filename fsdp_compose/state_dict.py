@@ -29,7 +29,7 @@ def full_state_dict(module: nn.Module, *, cpu_offload: bool = True, rank0_only: 
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     result: dict[str, torch.Tensor] = {}
     for key, value in module.state_dict().items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
+        full = _on_mesh_device(value).full_tensor() if isinstance(value, DTensor) else value
         if keep:
             result[key] = (full.cpu() if cpu_offload else full).detach()
     return result
@@ -57,14 +57,31 @@ def load_full_state_dict(
         for key, target in targets.items():
             local_target = target.to_local() if isinstance(target, DTensor) else target
             if broadcast_from_rank0:
-                full = state_dict[key].to(local_target.device) if rank == 0 else None
+                # the broadcast runs on the mesh's device even where the shard lives in host memory (CPU offload)
+                device = torch.device(target.device_mesh.device_type) if isinstance(target, DTensor) else target.device
+                full = state_dict[key].to(device) if rank == 0 else None
                 if full is None:
-                    full = torch.empty(target.shape, dtype=target.dtype, device=local_target.device)
+                    full = torch.empty(target.shape, dtype=target.dtype, device=device)
                 dist.broadcast(full, src=0)
             else:
                 full = state_dict[key]
             piece = _local_piece(full, target) if isinstance(target, DTensor) else full
             local_target.copy_(piece)
+
+
+def _on_mesh_device(value: DTensor) -> DTensor:
+    """``value`` with its local tensor on the mesh's device, where its collectives run (a no-op unless offloaded)."""
+    local = value.to_local()
+    if local.device.type == value.device_mesh.device_type:
+        return value
+    return DTensor.from_local(
+        local.to(value.device_mesh.device_type),
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
 
 
 def _check(targets: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor]) -> str | None:

@@ -12,7 +12,8 @@ communicated): 0-dim parameters, and frozen ones under ``frozen_params="replicat
 The sharded parameters' local tensors are views into ``flat``, so the all-gather reads them with no copy-in and the
 optimizer's in-place updates land in the buffer directly. Anything that breaks those views (``to_empty``,
 ``load_state_dict(assign=True)``, ``copy.deepcopy``) is detected by identity and repaired by ``adopt`` before the next
-all-gather, keeping the ``nn.Parameter`` objects the optimizer holds.
+all-gather, keeping the ``nn.Parameter`` objects the optimizer holds. Under ``CPUOffloadPolicy`` ``flat`` lives in
+host memory and the all-gather reads a device copy of it instead (offload.py holds every host <-> device transfer).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from .collectives import Work, all_gather_flat
 from .extensions import ShardExtensions
 from .grads import UnitGradients
 from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup
+from .offload import UnitDevices
+from .policies import OffloadPolicy
 from .sharding import FlatLayout, copy_param_from_segments, local_rows, write_param_into_segments
 
 logger = logging.getLogger(__name__)
@@ -202,6 +205,7 @@ class ShardedUnit:
         owner_name: str,
         frozen_params: str = "shard",
         extensions: ShardExtensions | None = None,
+        offload_policy: OffloadPolicy | None = None,
     ) -> None:
         self.dp = DataParallelMesh.of(mesh)
         self.extensions = extensions or ShardExtensions()
@@ -209,7 +213,8 @@ class ShardedUnit:
         self.group: dist.ProcessGroup = self.dp.shard_group
         self.rank = self.dp.shard_rank
         self.world_size = self.dp.shard_size
-        self.device = device
+        self.device = device  # where it computes: the mesh's device
+        self.devices = UnitDevices.of(offload_policy or OffloadPolicy(), device)
         self.owner_name = owner_name
         self.frozen_params = frozen_params
         self.state = UnitState.SHARDED
@@ -255,9 +260,7 @@ class ShardedUnit:
         sharded = [i for i, w in enumerate(whole) if not w]
         self.layout = FlatLayout.build([placings[i].local_shape for i in sharded], self.world_size)
         on_meta = any(v.is_meta for v in values)
-        self.flat = torch.zeros(
-            self.layout.segment_numel, dtype=self.orig_dtype, device="meta" if on_meta else self.device
-        )
+        self.flat = self.devices.new_flat(self.layout.segment_numel, self.orig_dtype, meta=on_meta)
         slots: list[int | None] = [None] * len(values)
         for position, i in enumerate(sharded):
             slots[i] = position
@@ -266,7 +269,7 @@ class ShardedUnit:
             slot = slots[i]
             placing = placings[i]
             if slot is None:
-                local = value.detach().to(self.flat.device, copy=True)
+                local = self.devices.place(value, meta=on_meta)
             else:
                 local = self.layout.shard_view(self.flat, slot, self.rank)
                 with torch.no_grad():
@@ -451,6 +454,11 @@ class ShardedUnit:
 
     # ------------------------------------------------------------------ unshard / reshard
     @property
+    def shard_device(self) -> torch.device:
+        """Where the sharded parameters and their gradients live (the compute device unless offloaded)."""
+        return self.devices.shard
+
+    @property
     def is_unsharded(self) -> bool:
         return self.state is UnitState.UNSHARDED
 
@@ -475,7 +483,7 @@ class ShardedUnit:
             return
         if not self.views_intact():
             self.adopt()
-        shard = self.flat if self.param_dtype == self.orig_dtype else self.flat.to(self.param_dtype)
+        shard = self.devices.to_compute(self.flat, self.param_dtype)
         transform = self.extensions.all_gather
         if transform is not None:
             shard = transform.encode(shard)
@@ -515,7 +523,7 @@ class ShardedUnit:
             if mp.slot is not None:
                 copy_param_from_segments(full_data, segments, self.layout.slots[mp.slot])
             elif full_data.data_ptr() != mp.sharded._local_tensor.data_ptr():
-                full_data.copy_(mp.sharded._local_tensor)
+                self.devices.copy_to_compute(full_data, mp.sharded._local_tensor)
             mp.gathered_version = mp.sharded._version
             assert mp.full is not None
             mp.register(mp.full)
@@ -528,7 +536,7 @@ class ShardedUnit:
     def _ensure_full(self, mp: ManagedParam) -> torch.Tensor:
         """The full parameter's ``.data`` with storage allocated (created on first use, resized back after)."""
         if mp.full is None or mp.full.dtype != self.param_dtype:
-            if mp.slot is None and self.param_dtype == self.orig_dtype:
+            if mp.slot is None and self.param_dtype == self.orig_dtype and not self.devices.offloaded:
                 local = mp.sharded._local_tensor  # whole: the full parameter aliases it, no copy
             else:
                 local = torch.empty(mp.placing.local_shape, dtype=self.param_dtype, device=self.device)

@@ -56,6 +56,7 @@ class Variant:
     frozen: bool = False  # every block but the last has requires_grad=False
     no_reshard: bool = False  # reshard_after_forward=False on every unit (FSDPs)
     frozen_params: str = "shard"  # fsdp_compose only: "replicate" keeps frozen parameters whole on every rank
+    reshard_to: int = 0  # FSDPs' blocks: reshard_after_forward=reshard_to (a smaller group; meaningful at 4+ ranks)
 
 
 VARIANTS = {
@@ -64,6 +65,7 @@ VARIANTS = {
     "frozen": Variant("frozen", frozen=True),
     "frozen_replicate": Variant("frozen_replicate", frozen=True, frozen_params="replicate"),
     "no_reshard": Variant("no_reshard", no_reshard=True),
+    "reshard_to_2": Variant("reshard_to_2", reshard_to=2),
 }
 
 
@@ -126,8 +128,9 @@ def _shard(model: GPT, name: str, variant: Variant, mesh: DeviceMesh) -> nn.Modu
     """The torchtitan recipe: every block, then the root."""
     shard_fn: Callable[..., Any] = fc.fully_shard if name == "fsdp_compose" else torch_fully_shard
     kwargs = _shard_kwargs(name, variant)
+    block_kwargs = {**kwargs, "reshard_after_forward": variant.reshard_to} if variant.reshard_to else kwargs
     for block in model.blocks:
-        shard_fn(block, mesh=mesh, **kwargs)
+        shard_fn(block, mesh=mesh, **block_kwargs)
     shard_fn(model, mesh=mesh, **kwargs)
     return model
 

@@ -441,11 +441,22 @@ class ShardedUnit:
             return
         if not self.views_intact():
             self.adopt()
-        shard = self.flat if self.param_dtype == self.orig_dtype else self.flat.to(self.param_dtype)
         transform = self.extensions.all_gather
+        numel = self.layout.segment_numel
+        if transform is None and self.param_dtype != self.orig_dtype and self.world_size > 1 and numel > 0:
+            # Cast straight into this rank's segment of the output and all-gather in place (the input is a view of
+            # the output): no separate low-precision copy of the shard lives next to the output while it runs.
+            gathered = torch.empty(self.world_size * numel, dtype=self.param_dtype, device=self.device)
+            shard = gathered[self.rank * numel : (self.rank + 1) * numel]
+            shard.copy_(self.flat)
+            work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
+            self._pending_gather = (work, gathered)
+            self.state = UnitState.GATHERING
+            return
+        shard = self.flat if self.param_dtype == self.orig_dtype else self.flat.to(self.param_dtype)
         if transform is not None:
             shard = transform.encode(shard)
-        if self.world_size == 1 or self.layout.segment_numel == 0:
+        if self.world_size == 1 or numel == 0:
             self._pending_gather = (None, shard)
         else:
             gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)

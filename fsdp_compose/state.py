@@ -119,6 +119,10 @@ class ShardState:
         self.root_states: list[ShardState] = []  # on the root only: every state under it, pre-order
         self.forward_order: list[ShardState] = []  # root only: units in the order the last forward ran them
         self.recording: list[ShardState] = []  # root only: the order this forward runs them
+        # Root only: the last backward left no-sync gradients in accumulation buffers (decided from the settings,
+        # so it is the same on every rank), and this backward reduces them (see _pre_backward).
+        self.gradients_held = False
+        self.draining = False
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -279,11 +283,20 @@ class ShardState:
         root = self.root
         if root is not None and not root.final_callback_queued:
             root.final_callback_queued = True
+            root.draining = root.gradients_held and any(state.reduces_now for state in root.root_states)
             Variable._execution_engine.queue_callback(root._final_callback)
+        if root is not None and root.draining:
+            # The backward that ends an accumulation window: every unit still holds its accumulation buffer, and a
+            # reduce-scatter in flight adds its output (and, on gloo, the backend's copy of its input) on top. Let
+            # it complete before this unit's parameters are gathered, so the two never coexist.
+            root._complete_reduction_in_flight()
         self.unit.unshard()
         self.training_state = TrainingState.PRE_BACKWARD
         self.post_backward_pending = True
-        if root is not None:
+        if root is not None and (self.backward_prefetch is not None or not root.draining):
+            # While draining, the implicit prefetch is skipped: the next unit's gathered parameters would wait
+            # through this unit's reduce-scatter, on top of every accumulation buffer (the step's peak). Explicit
+            # prefetch targets are the user's choice and always go.
             self._prefetch(self.backward_prefetch, root._next_in_forward(self, step=-1))
 
     # ------------------------------------------------------------------ prefetch
@@ -324,6 +337,11 @@ class ShardState:
             return
         self.post_backward_pending = False
         self.training_state = TrainingState.IDLE
+        # Free the full parameters first: the gradients live apart from them (in ``.grad`` or already in the
+        # gradient buffer), and the reduction below may wait for the previous unit's reduce-scatter, whose buffers
+        # are then alive at the same time; the full parameters need not be.
+        if self.reshard_after_backward:
+            self.unit.reshard()
         grads = self.unit.grads
         if not self.reduces_now:
             grads.accumulate()
@@ -334,8 +352,6 @@ class ShardState:
                 grads.finish()
             elif self.root is not None:
                 self.root._issue_reductions_in_order()
-        if self.reshard_after_backward:
-            self.unit.reshard()
 
     def _complete_reduction_in_flight(self) -> None:
         """Root: let the last reduce-scatter finish (freeing its input) before a new gradient buffer is allocated."""
@@ -383,6 +399,8 @@ class ShardState:
         for state in reversed(self.root_states):
             state.unit.grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
             state._reset_step()
+        self.gradients_held = any(not state.reduces_now and state.unit.grads.trainable for state in self.root_states)
+        self.draining = False
 
     # ------------------------------------------------------------------ copy.deepcopy
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardState:
@@ -402,6 +420,7 @@ class ShardState:
         new.root_states = []
         new.forward_order = []
         new.recording = []
+        new.gradients_held = new.draining = False  # the copy's units start without accumulated gradients
         new._reset_step()
         return new
 

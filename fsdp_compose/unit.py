@@ -483,11 +483,22 @@ class ShardedUnit:
             return
         if not self.views_intact():
             self.adopt()
-        shard = self.devices.to_compute(self.flat, self.param_dtype)
         transform = self.extensions.all_gather
+        numel = self.layout.segment_numel
+        if transform is None and self.param_dtype != self.orig_dtype and self.world_size > 1 and numel > 0:
+            # Cast straight into this rank's segment of the output and all-gather in place (the input is a view of
+            # the output): no separate low-precision copy of the shard lives next to the output while it runs.
+            gathered = torch.empty(self.world_size * numel, dtype=self.param_dtype, device=self.device)
+            shard = gathered[self.rank * numel : (self.rank + 1) * numel]
+            self.devices.copy_to_compute(shard, self.flat)
+            work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
+            self._pending_gather = _PendingGather(work, gathered, shard, encoded=False)
+            self.state = UnitState.GATHERING
+            return
+        shard = self.devices.to_compute(self.flat, self.param_dtype)
         if transform is not None:
             shard = transform.encode(shard)
-        if self.world_size == 1 or self.layout.segment_numel == 0:
+        if self.world_size == 1 or numel == 0:
             self._pending_gather = _PendingGather(None, shard, shard, encoded=transform is not None)
         else:
             gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compose as fc
 import fsdp_compose.grads as grads_module
+import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from tests.dist_utils import (
     full_value,
@@ -167,6 +168,48 @@ def test_synced_micro_batch_reduce_scatters_the_accumulation_buffer_in_place(run
     for in_place, second_buffers in run_dist(ws, _sync_reduces_the_accumulation_buffer_in_place):
         assert in_place
         assert second_buffers == []
+
+
+def _low_precision_gather_in_place(rank: int, ws: int) -> tuple[list[bool], float]:
+    """bf16 compute: every all-gather's input is this rank's segment of its own output (no separate cast copy)."""
+    cfg = GPTConfig()
+    reference, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws), mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    in_place: list[bool] = []
+    original = unit_module.all_gather_flat
+
+    def recording(output: torch.Tensor, shard: torch.Tensor, group: Any, *, async_op: bool) -> Any:
+        offset = rank * shard.numel() * shard.element_size()
+        in_place.append(
+            shard.dtype == output.dtype == torch.bfloat16
+            and shard.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()
+            and shard.data_ptr() == output.data_ptr() + offset
+        )
+        return original(output, shard, group, async_op=async_op)
+
+    unit_module.all_gather_flat = recording
+    try:
+        inputs, targets = synthetic_batch(cfg, 4, 0)
+        loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
+    finally:
+        unit_module.all_gather_flat = original
+    # the values gathered are the bf16 casts of the parameters
+    with torch.no_grad():
+        fc.unshard(model.blocks[0])
+        full = {n: p.detach().clone() for n, p in model.blocks[0].named_parameters()}
+        fc.reshard(model.blocks[0])
+    diff = max(
+        (full[n].float() - p.detach().bfloat16().float()).abs().max().item()
+        for n, p in reference.blocks[0].named_parameters()
+    )
+    return in_place, diff
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_low_precision_all_gather_casts_into_its_output(run_dist, ws: int) -> None:
+    for in_place, diff in run_dist(ws, _low_precision_gather_in_place):
+        assert in_place and all(in_place)
+        assert diff == 0.0
 
 
 def _exact_sum_with_divide_factor_one(rank: int, ws: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -122,3 +123,53 @@ def _eval_between_steps(rank: int, ws: int) -> float:
 @pytest.mark.parametrize("ws", [2])
 def test_evaluation_between_steps_with_prefetch(run_dist, ws: int) -> None:
     assert max(run_dist(ws, _eval_between_steps)) <= 1e-5
+
+
+def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
+    """Per backward of an accumulation window: the all-gathers issued (unit, async) and how many of them started
+    while a reduce-scatter was in flight."""
+    cfg = GPTConfig(n_layers=4)
+    _, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws), mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    named = [("root", model)] + [(f"b{i}", b) for i, b in enumerate(model.blocks)]
+    units = {id(fc.get_state(m).unit): name for name, m in named}
+    all_units = [fc.get_state(m).unit for _, m in named]
+    issued: list[tuple[str, bool]] = []
+    overlapping: list[str] = []
+    original = unit_module.ShardedUnit.start_unshard
+
+    def recording(self: unit_module.ShardedUnit, *, async_op: bool) -> None:
+        if self.state is UnitState.SHARDED:
+            issued.append((units[id(self)], async_op))
+            flights = [u.grads.in_flight for u in all_units]
+            if any(f is not None and f.buffer is not None for f in flights):
+                overlapping.append(units[id(self)])
+        original(self, async_op=async_op)
+
+    inputs, targets = synthetic_batch(cfg, 4, 0)
+    x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
+    loss_fn(model(x), y).backward()  # records the forward order
+    result: dict[str, Any] = {}
+    unit_module.ShardedUnit.start_unshard = recording  # type: ignore[method-assign]
+    try:
+        for name, sync in [("no_sync", False), ("sync", True), ("plain", True)]:
+            out = model(x)  # forward gathers are not recorded: only backward's
+            issued.clear()
+            overlapping.clear()
+            with contextlib.nullcontext() if sync else fc.no_sync(model):
+                loss_fn(out, y).backward()
+            result[name] = {"issued": list(issued), "overlapping": list(overlapping)}
+    finally:
+        unit_module.ShardedUnit.start_unshard = original  # type: ignore[method-assign]
+    return result
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_backward_ending_an_accumulation_window_gathers_nothing_while_reducing(run_dist, ws: int) -> None:
+    """Every unit holds its accumulation buffer then: no gathered parameters wait through a reduce-scatter."""
+    prefetched = [("b3", True), ("b2", True), ("b1", True), ("b0", True)]
+    for r in run_dist(ws, _gathers_while_draining):
+        assert r["no_sync"]["issued"] == prefetched  # nothing reduces: the usual prefetch
+        assert r["sync"]["issued"] == [("b3", False), ("b2", False), ("b1", False), ("b0", False)]
+        assert r["sync"]["overlapping"] == []
+        assert r["plain"]["issued"] == prefetched  # a step without accumulation prefetches as before

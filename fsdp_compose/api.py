@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Shard
 
 from .extensions import ShardExtensions
-from .meshes import check_dp_mesh, check_post_forward_size, param_placing, post_forward_group
+from .meshes import PostForwardGroup, check_dp_mesh, check_post_forward_size, param_placing, post_forward_group
 from .offload import check_offload_policy
 from .policies import MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
@@ -107,8 +107,7 @@ def fully_shard(
         extensions,
         offload_policy,
     )
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        unit.post_forward = post_forward_group(mesh, reshard_after_forward)
+    unit.post_forward = _post_forward_group(reshard_after_forward, mesh)
     state = ShardState(
         tuple(modules),
         unit,
@@ -143,6 +142,13 @@ def _reshard_after_forward_setting(
     if value == 1:
         return False
     return value
+
+
+def _post_forward_group(setting: bool | int | None, mesh: DeviceMesh) -> PostForwardGroup | None:
+    """The group an int setting (normalized, so ``1 < k < W``) reshards to after forward; None for the others."""
+    if isinstance(setting, int) and not isinstance(setting, bool):
+        return post_forward_group(mesh, setting)
+    return None
 
 
 def _as_module_list(module: Any) -> list[nn.Module]:
@@ -406,10 +412,7 @@ def set_reshard_after_forward(module: nn.Module, value: bool | int, *, recurse: 
     ]
     for state, setting in zip(states, settings, strict=True):
         state.reshard_after_forward_setting = setting
-        if isinstance(setting, int) and not isinstance(setting, bool):
-            state.unit.post_forward = post_forward_group(state.unit.dp.mesh, setting)
-        else:
-            state.unit.post_forward = None
+        state.unit.post_forward = _post_forward_group(setting, state.unit.dp.mesh)
 
 
 def set_reshard_after_backward(module: nn.Module, value: bool, *, recurse: bool = True) -> None:

@@ -38,6 +38,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
+from .offload import collective_device
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -122,10 +124,7 @@ def _group_gradients(params: list[torch.Tensor]) -> list[_Group]:
         key = tuple(id(pg) for pg in process_groups)
         group = groups.get(key)
         if group is None:
-            # A DTensor's own device is its local tensor's, which is host memory under CPU offload: the mesh's
-            # device is the one its process groups communicate on.
-            device = torch.device(source.device_mesh.device_type) if isinstance(source, DTensor) else source.device
-            group = groups[key] = _Group(process_groups, device)
+            group = groups[key] = _Group(process_groups, collective_device(source))
         if local is not None:
             group.grads.append(local)
     return list(groups.values())

@@ -16,10 +16,17 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .policies import CPUOffloadPolicy, OffloadPolicy
 
-__all__ = ["UnitDevices", "check_offload_policy"]
+__all__ = ["UnitDevices", "check_offload_policy", "collective_device"]
+
+
+def collective_device(tensor: torch.Tensor) -> torch.device:
+    """Where ``tensor``'s collectives run: a DTensor's mesh device (its local shard is in host memory under CPU
+    offload), or a plain tensor's own device."""
+    return torch.device(tensor.device_mesh.device_type) if isinstance(tensor, DTensor) else tensor.device
 
 
 def check_offload_policy(offload_policy: object, mesh: DeviceMesh, owner_name: str) -> None:

@@ -16,6 +16,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .offload import collective_device
+
 __all__ = ["full_state_dict", "load_full_state_dict"]
 
 
@@ -57,8 +59,7 @@ def load_full_state_dict(
         for key, target in targets.items():
             local_target = target.to_local() if isinstance(target, DTensor) else target
             if broadcast_from_rank0:
-                # the broadcast runs on the mesh's device even where the shard lives in host memory (CPU offload)
-                device = torch.device(target.device_mesh.device_type) if isinstance(target, DTensor) else target.device
+                device = collective_device(target)  # the mesh's, also where the shard is in host memory
                 full = state_dict[key].to(device) if rank == 0 else None
                 if full is None:
                     full = torch.empty(target.shape, dtype=target.dtype, device=device)
@@ -72,10 +73,11 @@ def load_full_state_dict(
 def _on_mesh_device(value: DTensor) -> DTensor:
     """``value`` with its local tensor on the mesh's device, where its collectives run (a no-op unless offloaded)."""
     local = value.to_local()
-    if local.device.type == value.device_mesh.device_type:
+    device = collective_device(value)
+    if local.device.type == device.type:
         return value
     return DTensor.from_local(
-        local.to(value.device_mesh.device_type),
+        local.to(device),
         value.device_mesh,
         value.placements,
         run_check=False,

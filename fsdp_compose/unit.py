@@ -583,9 +583,10 @@ class ShardedUnit:
         The kept block is cut from the full parameters (already in the compute dtype), so backward all-gathers
         ``1/k`` of the unit per rank within the group instead of ``1/W`` over the whole shard group.
         """
+        assert self.post_forward is not None, "reshard_after_forward=k sets the post-forward group"
         if self.state is UnitState.GATHERING:
             self.finish_unshard()
-        if self.state is not UnitState.UNSHARDED or self.post_forward is None or self.world_size == 1:
+        if self.state is not UnitState.UNSHARDED:
             self.reshard()
             return
         per_member = self.world_size // self.post_forward.size

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
+from examples.launch import run_distributed
 
 
 class LoRALinear(nn.Module):
@@ -66,20 +67,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    train(args, "cuda" if use_cuda else "cpu")
-    on_gloo = dist.get_backend() == "gloo"
-    dist.destroy_process_group()
-    if on_gloo:
-        # Skip interpreter teardown on gloo: torch keeps gloo's worker threads alive past destroy_process_group once
-        # DTensor ops ran, and a worker that releases its last collective's tensors while Python shuts down needs
-        # the GIL and aborts the process (rarely, on a loaded machine; see pytorch/pytorch#179291).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    run_distributed(lambda device_type: train(args, device_type))
 
 
 def train(args: argparse.Namespace, device_type: str) -> None:

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
@@ -118,3 +119,39 @@ def reference_and_copy(cfg: GPTConfig, seed: int = 0) -> tuple[GPT, GPT]:
     torch.manual_seed(seed)
     reference = GPT(cfg)
     return reference, copy.deepcopy(reference)
+
+
+def tp_mlps(model: GPT, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallel MLPs in every block: fc column-wise, proj row-wise."""
+    for block in model.blocks:
+        parallelize_module(block.mlp, tp_mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+
+
+def dp_slice(batch: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
+    return batch.chunk(dp_size)[dp_rank]
+
+
+def dp_coordinates(dp_mesh: DeviceMesh) -> tuple[int, int]:
+    """(rank, size) of this rank among all data-parallel ranks (replicate-major)."""
+    if dp_mesh.ndim == 1:
+        return dp_mesh.get_local_rank(0), dp_mesh.size(0)
+    return dp_mesh.get_local_rank(0) * dp_mesh.size(1) + dp_mesh.get_local_rank(1), dp_mesh.size()
+
+
+def train_on_dp_mesh(
+    model: nn.Module, reference: nn.Module, cfg: GPTConfig, dp_mesh: DeviceMesh, steps: int = 3
+) -> float:
+    """SGD with momentum: ``model`` on this rank's data-parallel slice (TP peers share it), ``reference`` on the
+    global batch of 8; max |diff| of the parameters."""
+    opt = make_optimizer("sgd")(model.parameters())
+    ref_opt = make_optimizer("sgd")(reference.parameters())
+    dp_rank, dp_size = dp_coordinates(dp_mesh)
+    for step in range(steps):
+        inputs, targets = synthetic_batch(cfg, 8, step)
+        ref_opt.zero_grad()
+        loss_fn(reference(inputs), targets).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        loss_fn(model(dp_slice(inputs, dp_rank, dp_size)), dp_slice(targets, dp_rank, dp_size)).backward()
+        opt.step()
+    return max_param_diff(model, reference)

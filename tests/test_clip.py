@@ -22,22 +22,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.clip import clip_grad_norm_
-from tests.dist_utils import full_value, mesh_1d, mesh_nd
+from tests.dist_utils import full_value, mesh_1d, mesh_nd, reference_and_copy, tp_mlps
 
 TOL = 1e-5
 NORMS = (2.0, 1.0, math.inf)
 MAX_NORM = 1e-3  # far below every gradient norm here: the clip coefficient is < 1
-
-
-def _gpt() -> tuple[GPT, GPT]:
-    torch.manual_seed(0)
-    reference = GPT(GPTConfig())
-    return reference, copy.deepcopy(reference)
-
-
-def _tp_mlps(model: GPT, tp_mesh: Any) -> None:
-    for block in model.blocks:
-        parallelize_module(block.mlp, tp_mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
 
 
 def _count_all_reduces(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -116,7 +105,7 @@ def _check(results: list[dict[str, Any]], all_reduces: int | None = None) -> Non
 
 # ------------------------------------------------------------------------------------------------------ 1-D FSDP
 def _fsdp_1d(rank: int, ws: int) -> dict[str, Any]:
-    reference, model = _gpt()
+    reference, model = reference_and_copy(GPTConfig())
     mesh = mesh_1d(ws)
     for block in model.blocks:
         fc.fully_shard(block, mesh=mesh)
@@ -132,7 +121,7 @@ def test_fsdp_1d(run_dist, ws: int) -> None:
 
 # ---------------------------------------------------------------------------------------------------------- HSDP
 def _hsdp(rank: int, ws: int) -> dict[str, Any]:
-    reference, model = _gpt()
+    reference, model = reference_and_copy(GPTConfig())
     mesh = mesh_nd((2, 2), ("replicate", "shard"))
     for block in model.blocks:
         fc.fully_shard(block, mesh=mesh)
@@ -148,9 +137,9 @@ def test_hsdp_2x2(run_dist) -> None:
 
 # ----------------------------------------------------------------------------------------------------- FSDP + TP
 def _fsdp_tp(rank: int, ws: int) -> dict[str, Any]:
-    reference, model = _gpt()
+    reference, model = reference_and_copy(GPTConfig())
     mesh = mesh_nd((2, 2), ("dp", "tp"))
-    _tp_mlps(model, mesh["tp"])
+    tp_mlps(model, mesh["tp"])
     for block in model.blocks:
         fc.fully_shard(block, mesh=mesh["dp"])
     fc.fully_shard(model, mesh=mesh["dp"])
@@ -168,11 +157,11 @@ def test_fsdp_tp_2x2(run_dist) -> None:
 
 # ---------------------------------------------------------------------------------------------- HSDP + TP (3-D)
 def _hsdp_tp_3d(rank: int, ws: int) -> dict[str, Any]:
-    reference, model = _gpt()
+    reference, model = reference_and_copy(GPTConfig())
     # Its TP slice equals the (dp, tp) mesh's that an earlier test used: torch may then give the TP parameters that
     # equal mesh object (another root), which fully_shard must accept (it compares meshes by value).
     mesh = mesh_nd((1, 2, 2), ("replicate", "shard", "tp"))
-    _tp_mlps(model, mesh["tp"])
+    tp_mlps(model, mesh["tp"])
     dp_mesh = mesh["replicate", "shard"]
     for block in model.blocks:
         fc.fully_shard(block, mesh=dp_mesh)
@@ -192,7 +181,7 @@ def _mixed_meshes(rank: int, ws: int) -> dict[str, Any]:
     All three average over the same global batch (a TP pair sees one dp slice twice), so they train like the
     reference; their gradients live on three different meshes, which torch's clip_grad_norm_ cannot combine.
     """
-    reference, model = _gpt()
+    reference, model = reference_and_copy(GPTConfig())
     tp_mesh = mesh_nd((2, 2), ("dp", "tp"))
     parallelize_module(model.blocks[0].mlp, tp_mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
     fc.fully_shard(model.blocks[0], mesh=tp_mesh["dp"])
@@ -223,7 +212,7 @@ def test_units_on_different_meshes(run_dist) -> None:
 
 # ------------------------------------------------------------------------------- a rank without gradients
 def _rank_without_grads(rank: int, ws: int) -> tuple[float, float]:
-    _, model = _gpt()
+    _, model = reference_and_copy(GPTConfig())
     mesh = mesh_1d(ws)
     fc.fully_shard(model, mesh=mesh)
     inputs, targets = synthetic_batch(GPTConfig(), 4, 0)

@@ -13,51 +13,23 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
-from tests.dist_utils import full_value, make_optimizer, max_param_diff, mesh_nd
+from tests.dist_utils import (
+    dp_coordinates,
+    dp_slice,
+    full_value,
+    max_param_diff,
+    mesh_nd,
+    reference_and_copy,
+    tp_mlps,
+    train_on_dp_mesh,
+)
 
 TOL = 1e-5
-
-
-def _dp_slice(batch: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
-    return batch.chunk(dp_size)[dp_rank]
-
-
-def _dp_coordinates(dp_mesh: Any) -> tuple[int, int]:
-    """(rank, size) of this rank among all data-parallel ranks (replicate-major)."""
-    if dp_mesh.ndim == 1:
-        return dp_mesh.get_local_rank(0), dp_mesh.size(0)
-    return dp_mesh.get_local_rank(0) * dp_mesh.size(1) + dp_mesh.get_local_rank(1), dp_mesh.size()
-
-
-def _train_gpt(model: nn.Module, reference: nn.Module, cfg: GPTConfig, dp_mesh: Any, steps: int = 3) -> float:
-    opt = make_optimizer("sgd")(model.parameters())
-    ref_opt = make_optimizer("sgd")(reference.parameters())
-    dp_rank, dp_size = _dp_coordinates(dp_mesh)
-    for step in range(steps):
-        inputs, targets = synthetic_batch(cfg, 8, step)
-        ref_opt.zero_grad()
-        loss_fn(reference(inputs), targets).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        loss_fn(model(_dp_slice(inputs, dp_rank, dp_size)), _dp_slice(targets, dp_rank, dp_size)).backward()
-        opt.step()
-    return max_param_diff(model, reference)
-
-
-def _gpt(cfg: GPTConfig) -> tuple[GPT, GPT]:
-    torch.manual_seed(0)
-    reference = GPT(cfg)
-    return reference, copy.deepcopy(reference)
-
-
-def _tp_mlps(model: GPT, tp_mesh: Any) -> None:
-    for block in model.blocks:
-        parallelize_module(block.mlp, tp_mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
 
 
 def _shard(model: GPT, dp_mesh: Any, **kwargs: Any) -> None:
@@ -69,7 +41,7 @@ def _shard(model: GPT, dp_mesh: Any, **kwargs: Any) -> None:
 # ------------------------------------------------------------------------------------------------------------ HSDP
 def _hsdp(rank: int, ws: int) -> dict[str, Any]:
     cfg = GPTConfig()
-    reference, model = _gpt(cfg)
+    reference, model = reference_and_copy(cfg)
     dp_mesh = mesh_nd((2, 2), ("replicate", "shard"))
     _shard(model, dp_mesh)
     placements = {p.placements for p in model.parameters()}
@@ -78,7 +50,7 @@ def _hsdp(rank: int, ws: int) -> dict[str, Any]:
     return {
         "placements": placements,
         "local_is_chunk": local_is_chunk,
-        "diff": _train_gpt(model, reference, cfg, dp_mesh),
+        "diff": train_on_dp_mesh(model, reference, cfg, dp_mesh),
     }
 
 
@@ -91,14 +63,14 @@ def test_hsdp_2x2_trains_like_the_reference(run_dist) -> None:
 
 def _hsdp_sharded_accumulation_skipping_all_reduce(rank: int, ws: int) -> float:
     cfg = GPTConfig()
-    reference, model = _gpt(cfg)
+    reference, model = reference_and_copy(cfg)
     dp_mesh = mesh_nd((2, 2), ("replicate", "shard"))
     _shard(model, dp_mesh)
     fc.set_gradient_accumulation(model, "sharded")
-    dp_rank, dp_size = _dp_coordinates(dp_mesh)
+    dp_rank, dp_size = dp_coordinates(dp_mesh)
     inputs, targets = synthetic_batch(cfg, 16, 0)
     loss_fn(reference(inputs), targets).backward()
-    x, y = _dp_slice(inputs, dp_rank, dp_size), _dp_slice(targets, dp_rank, dp_size)
+    x, y = dp_slice(inputs, dp_rank, dp_size), dp_slice(targets, dp_rank, dp_size)
     micro = list(zip(x.chunk(2), y.chunk(2), strict=True))
     fc.set_requires_all_reduce(model, False)  # reduce-scatter only while accumulating ...
     with fc.no_sync(model):
@@ -148,7 +120,7 @@ def _fsdp_tp_mlp(rank: int, ws: int) -> dict[str, Any]:
         (reference(x) - target).pow(2).mean().backward()
         ref_opt.step()
         opt.zero_grad()
-        (model(_dp_slice(x, dp_rank, 2)) - _dp_slice(target, dp_rank, 2)).pow(2).mean().backward()
+        (model(dp_slice(x, dp_rank, 2)) - dp_slice(target, dp_rank, 2)).pow(2).mean().backward()
         opt.step()
     return {"placements": placements, "full_ok": full_ok, "diff": max_param_diff(model, reference)}
 
@@ -165,14 +137,14 @@ def test_fsdp_tp_uneven_mlp(run_dist) -> None:
 
 def _fsdp_tp_gpt(rank: int, ws: int, hsdp: bool) -> float:
     cfg = GPTConfig()
-    reference, model = _gpt(cfg)
+    reference, model = reference_and_copy(cfg)
     if hsdp:
         mesh = mesh_nd((2, 2, 2), ("replicate", "shard", "tp"))
         dp_mesh = mesh["replicate", "shard"]
     else:
         mesh = mesh_nd((2, 2), ("dp", "tp"))
         dp_mesh = mesh["dp"]
-    _tp_mlps(model, mesh["tp"])
+    tp_mlps(model, mesh["tp"])
     _shard(model, dp_mesh)
     mlp = model.blocks[0].mlp
     dp_placements = (Replicate(),) if hsdp else ()
@@ -181,7 +153,7 @@ def _fsdp_tp_gpt(rank: int, ws: int, hsdp: bool) -> float:
     assert mlp.proj.bias.placements == (*dp_placements, Shard(0), Replicate())
     assert model.head.weight.placements == (*dp_placements, Shard(0))  # not tensor parallel
     assert isinstance(mlp.fc.weight, DTensor) and mlp.fc.weight.device_mesh.ndim == dp_mesh.ndim + 1
-    return _train_gpt(model, reference, cfg, dp_mesh)
+    return train_on_dp_mesh(model, reference, cfg, dp_mesh)
 
 
 def test_fsdp_tp_gpt_blocks(run_dist) -> None:

@@ -32,9 +32,10 @@ from tests.dist_utils import (
     mesh_nd,
     reference_and_copy,
     shard_gpt,
+    tp_mlps,
+    train_on_dp_mesh,
     train_pair,
 )
-from tests.test_composition import _tp_mlps, _train_gpt
 
 SGD_TOL = 1e-5
 ADAMW_TOL = 2e-3  # see test_parity.ADAMW_TOL
@@ -160,14 +161,20 @@ class _Tempered(nn.Module):
         return self.gpt(idx) * self.temperature
 
 
-def _transfers(rank: int, ws: int) -> dict[str, Any]:
-    cfg = GPTConfig()
+def _offloaded_tempered(cfg: GPTConfig, ws: int) -> tuple[_Tempered, _Tempered]:
+    """The reference and an offloaded copy sharded block by block, then at the root (which owns the 0-dim scale)."""
     torch.manual_seed(0)
     reference = _Tempered(cfg)
     model = copy.deepcopy(reference)
     for block in model.gpt.blocks:
         fc.fully_shard(block, mesh=mesh_1d(ws), offload_policy=OFFLOAD)
     fc.fully_shard(model, mesh=mesh_1d(ws), offload_policy=OFFLOAD)
+    return reference, model
+
+
+def _transfers(rank: int, ws: int) -> dict[str, Any]:
+    cfg = GPTConfig()
+    _, model = _offloaded_tempered(cfg, ws)
     units = _all_units(model)
     root = fc.get_state(model).unit
     whole = next(mp for mp in root.params if mp.fqn == "temperature")
@@ -229,12 +236,7 @@ def test_all_gather_reads_device_copies_and_gradients_land_on_the_host(run_dist,
 
 def _tempered_parity(rank: int, ws: int) -> float:
     cfg = GPTConfig()
-    torch.manual_seed(0)
-    reference = _Tempered(cfg)
-    model = copy.deepcopy(reference)
-    for block in model.gpt.blocks:
-        fc.fully_shard(block, mesh=mesh_1d(ws), offload_policy=OFFLOAD)
-    fc.fully_shard(model, mesh=mesh_1d(ws), offload_policy=OFFLOAD)
+    reference, model = _offloaded_tempered(cfg, ws)
     diff = train_pair(rank, ws, model, reference, cfg, steps=3)
     _check_placement(model)
     return diff
@@ -288,12 +290,12 @@ def _composed(rank: int, ws: int, kind: str) -> float:
         dp_mesh = mesh_nd((2, ws // 2), ("replicate", "shard"))
     else:
         mesh = mesh_nd((2, ws // 2), ("dp", "tp"))
-        _tp_mlps(model, mesh["tp"])
+        tp_mlps(model, mesh["tp"])
         dp_mesh = mesh["dp"]
     for block in model.blocks:
         fc.fully_shard(block, mesh=dp_mesh, offload_policy=OFFLOAD)
     fc.fully_shard(model, mesh=dp_mesh, offload_policy=OFFLOAD)
-    diff = _train_gpt(model, reference, cfg, dp_mesh)
+    diff = train_on_dp_mesh(model, reference, cfg, dp_mesh)
     _check_placement(model)
     return diff
 

@@ -6,13 +6,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp_compose as fc
 import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.unit import UnitState
-from tests.dist_utils import max_param_diff, mesh_1d, mesh_nd, reference_and_copy, shard_gpt, train_pair
+from tests.dist_utils import mesh_1d, mesh_nd, reference_and_copy, shard_gpt, tp_mlps, train_on_dp_mesh, train_pair
 
 TOL = 1e-5
 # Uneven rows on purpose: 4 ranks, dims not divisible by 4 (padding inside the kept blocks).
@@ -82,11 +81,11 @@ def _what_backward_gathers(rank: int, ws: int) -> dict[str, Any]:
         "forward_gathers": forward_gathers,
         "backward_gathers": backward_gathers,
         "after_backward": after_backward,
-        "diff": _grads_match(model, reference, cfg, ws),
+        "diff": _grads_match(model, reference, cfg),
     }
 
 
-def _grads_match(model: Any, reference: Any, cfg: GPTConfig, ws: int) -> float:
+def _grads_match(model: Any, reference: Any, cfg: GPTConfig) -> float:
     inputs, targets = synthetic_batch(cfg, 8, 0)
     loss_fn(reference(inputs), targets).backward()
     ref = dict(reference.named_parameters())
@@ -112,21 +111,9 @@ def _fsdp_tp(rank: int, ws: int) -> float:
     cfg = GPTConfig(**UNEVEN)
     reference, model = reference_and_copy(cfg)
     mesh = mesh_nd((4, 2), ("dp", "tp"))
-    for block in model.blocks:
-        parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    tp_mlps(model, mesh["tp"])
     shard_gpt(model, mesh["dp"], reshard_after_forward=2)
-    dp_rank, dp_size = mesh["dp"].get_local_rank(), 4
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for step in range(3):
-        inputs, targets = synthetic_batch(cfg, 8, step)
-        ref_opt.zero_grad()
-        loss_fn(reference(inputs), targets).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        loss_fn(model(inputs.chunk(dp_size)[dp_rank]), targets.chunk(dp_size)[dp_rank]).backward()
-        opt.step()
-    return max_param_diff(model, reference)
+    return train_on_dp_mesh(model, reference, cfg, mesh["dp"])
 
 
 @pytest.mark.slow

@@ -88,6 +88,14 @@ def window_batches(args: AccumArgs, window: int) -> Batches:
     return [local_batch(args.bench, window * args.micro + i) for i in range(args.micro)]
 
 
+def warmed_up(name: str, args: AccumArgs, mesh: DeviceMesh) -> tuple[Impl, Batches]:
+    """The implementation after two warm-up windows (lazy init, optimizer state) and the batches of the next one."""
+    impl = build_accum(name, args, mesh)
+    for w in range(2):
+        run_window(impl, window_batches(args, w))
+    return impl, window_batches(args, 2)
+
+
 def _micro_batch(impl: Impl, x: torch.Tensor, y: torch.Tensor, micro: int) -> float:
     loss = loss_fn(impl.model(x), y) / micro
     loss.backward()
@@ -167,10 +175,7 @@ class PhasePeaks:
 def measure_memory(name: str, args: AccumArgs, mesh: DeviceMesh) -> dict[str, Any]:
     """One window with only this implementation alive, after two warm-up windows (lazy init, optimizer state)."""
     snapshot = live_storage_keys()
-    impl = build_accum(name, args, mesh)
-    for w in range(2):
-        run_window(impl, window_batches(args, w))
-    batches = window_batches(args, 2)
+    impl, batches = warmed_up(name, args, mesh)
     counter = LiveBytesCounter()
     counter.register(tensors_since(snapshot))
     phases = PhasePeaks(counter)

@@ -41,7 +41,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 
-from benchmarks.accumulation import AccumArgs, build_accum, parse_args, run_window, window_batches  # noqa: E402
+from benchmarks.accumulation import AccumArgs, parse_args, run_window, warmed_up  # noqa: E402
 from benchmarks.comm import CollectiveCounter  # noqa: E402
 from benchmarks.memory import LiveBytesCounter, live_storage_keys, storages_of, tensors_since  # noqa: E402
 from benchmarks.report import MIB  # noqa: E402
@@ -212,10 +212,7 @@ class _SyncPhase:
 
 def measure(name: str, args: AccumArgs, mesh: DeviceMesh) -> dict[str, Any]:
     snapshot = live_storage_keys()
-    impl = build_accum(name, args, mesh)
-    for w in range(2):
-        run_window(impl, window_batches(args, w))
-    batches = window_batches(args, 2)
+    impl, batches = warmed_up(name, args, mesh)
     counter = LabelledCounter()
     counter.name(list(impl.model.parameters()), "sharded params")
     for st in impl.opt.state.values():

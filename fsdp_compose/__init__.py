@@ -5,12 +5,14 @@ module keeps its class. See docs/design.md for one training step through the cod
 """
 
 from .api import (
+    UnshardHandle,
     fully_shard,
     get_state,
     is_fully_sharded,
     no_sync,
     refresh_trainable,
     register_forward_method,
+    reset_step,
     reshard,
     set_full_precision_in_eval,
     set_gradient_accumulation,
@@ -38,6 +40,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ShardExtensions",
+    "UnshardHandle",
     "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
@@ -47,6 +50,7 @@ __all__ = [
     "no_sync",
     "refresh_trainable",
     "register_forward_method",
+    "reset_step",
     "reshard",
     "set_full_precision_in_eval",
     "set_gradient_accumulation",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -16,12 +16,14 @@ from .init import fully_shard, get_state, post_forward_group_for, reshard_after_
 from .state import GradientAccumulation, ShardState, states_under
 
 __all__ = [
+    "UnshardHandle",
     "fully_shard",
     "get_state",
     "is_fully_sharded",
     "no_sync",
     "refresh_trainable",
     "register_forward_method",
+    "reset_step",
     "reshard",
     "set_full_precision_in_eval",
     "set_gradient_accumulation",
@@ -59,12 +61,9 @@ def _states(module: nn.Module, recurse: bool) -> list[ShardState]:
     return states
 
 
-class UnshardHandle(Protocol):
-    def wait(self) -> None: ...
-
-
-class _PendingUnshard:
-    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather and registers full parameters."""
+class UnshardHandle:
+    """Returned by ``fc.unshard(module, async_op=True)``: ``wait()`` finishes the all-gather and registers the full
+    parameters. Without a ``wait()``, the module's next forward consumes the pending all-gather (no second one)."""
 
     def __init__(self, state: ShardState) -> None:
         self._state = state
@@ -74,18 +73,42 @@ class _PendingUnshard:
 
 
 def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | None:
-    """All-gather the module's own unit now (e.g. to prefetch or to run code outside forward on full parameters)."""
+    """All-gather the module's own unit now (e.g. to prefetch, or to run code outside forward on full parameters).
+
+    The gathered parameters are used by the module's next forward (they are not discarded at the start of a step);
+    they are freed after it per ``reshard_after_forward``, or with ``fc.reshard``.
+    """
     state = _require_state(module)
-    state.unit.start_unshard(async_op=async_op)
+    state.start_gather(async_op=async_op)
+    state.unit.explicit = True
+    handle = UnshardHandle(state)
     if async_op:
-        return _PendingUnshard(state)
-    state.unit.finish_unshard()
+        return handle
+    handle.wait()
     return None
 
 
 def reshard(module: nn.Module) -> None:
     """Free the module's own full parameters and register the sharded ones again (no communication)."""
     _require_state(module).unit.reshard()
+
+
+def reset_step(module: nn.Module) -> None:
+    """Forget the current step of the root ``module``: complete the collectives it issued, drop the gradients it
+    holds but has not delivered to ``.grad`` yet (no-sync accumulation included), reshard every unit.
+
+    Not needed after an exception: the next forward of the root does the same for a step that did not finish (the
+    gradients of an interrupted accumulation window are dropped, since the failed micro-batch's are mixed in).
+    Every rank must call it at the same point.
+    """
+    state = _require_state(module)
+    if state.ctx is None:
+        for sub in states_under(module):
+            sub.unit.grads.discard()
+            sub.unit.reshard()
+            sub.reset_step()
+        return
+    state.ctx.reset()
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_sync: bool, *, recurse: bool = True) -> None:
@@ -216,7 +239,7 @@ def set_gradient_accumulation(module: nn.Module, mode: GradientAccumulation, *, 
     if mode not in ("unsharded", "sharded"):
         raise ValueError(f'gradient accumulation mode must be "unsharded" or "sharded", got {mode!r}')
     for state in _states(module, recurse):
-        if state.unit.has_accumulated_grads() and state.gradient_accumulation != mode:
+        if state.unit.grads.has_pending() and state.gradient_accumulation != mode:
             raise RuntimeError(
                 f"cannot switch gradient accumulation of {state.unit.owner_name} to {mode!r} while no-sync "
                 "gradients are pending; switch after a synced backward"
@@ -259,7 +282,11 @@ class _UnshardingMethod:
         hooked = state.pre_forward(self.module, args, kwargs)
         if hooked is not None:
             args, kwargs = hooked
-        output = method(self.module, *args, **kwargs)
+        try:
+            output = method(self.module, *args, **kwargs)
+        except BaseException:
+            state.post_forward(self.module, args, None)  # as for forward: the unit reshards, the step goes on
+            raise
         result = state.post_forward(self.module, args, output)
         return output if result is None else result
 

@@ -1,17 +1,21 @@
-"""Gradient reduction of one unit: which parameters are reduced, their reduce-scatter layout, the buffers in flight.
+"""Gradient reduction of one unit: a small state machine from autograd's full gradients to sharded ``.grad``.
 
 Only trainable parameters (``requires_grad`` as of the last trainability refresh) take part, laid out with the same
 ``torch.chunk`` row split as the parameters but in their own flat layout, so frozen parameters never cost
-reduce-scatter bytes. One backward of a unit goes::
+reduce-scatter bytes. The pipeline's states (``GradState``) and what moves it::
 
-    stage()       move the full gradients into a (world_size, segment + tail) buffer — the reduce-scatter input —
-                  and free them (or add them to the no-sync accumulation buffer, which then *is* that input)
-    reduce()      start one reduce-scatter of the staged buffer over the shard group, asynchronously: it overlaps
-                  the next units' backward
-    advance()     (when the next unit reduces) wait for it and free its input; for HSDP start the asynchronous
-                  all-reduce over the replicate group
-    finish()      wait for what is left; every rank's rows become (or are added to) its sharded DTensor ``.grad``
-                  (under CPU offload, after one copy of the reduced shard to host memory)
+    IDLE --capture/accumulate--> ACCUMULATING   full gradients written (or added) into a (world_size, segment + tail)
+                                                buffer in the reduce-scatter layout as autograd makes them
+    IDLE/ACCUMULATING --stage--> STAGED         the buffer is complete (zeros where this rank had no gradient)
+    STAGED --reduce--> REDUCE_SCATTERING        one asynchronous reduce-scatter over the shard group's reduce group
+    REDUCE_SCATTERING --advance--> ALL_REDUCING HSDP: the asynchronous all-reduce over replicas starts
+    REDUCE_SCATTERING/ALL_REDUCING --finish--> IDLE
+                                                every rank's rows are added to its sharded ``.grad`` (under CPU
+                                                offload after one copy to host memory); user post-accumulate-grad
+                                                hooks on the sharded parameters fire after a synchronising reduction
+    any --discard--> IDLE                       a failed step or a user's zero_grad drops what is held
+
+A transition not in ``_ALLOWED`` raises: "which reduction is running" is a named state, not a combination of fields.
 
 The tail of the buffer is written by every rank into every segment: one "had a gradient" count per trainable
 parameter and the gradients of 0-dim parameters. After the reduce-scatter every rank therefore knows which parameters
@@ -21,20 +25,57 @@ holds the summed 0-dim gradients, with no second collective.
 
 from __future__ import annotations
 
+import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from .collectives import Work, all_reduce, reduce_scatter_flat
-from .sharding import FlatLayout, write_grad_into_segments
+from .extensions import ShardExtensions
+from .flat import ManagedParam
+from .meshes import DataParallelMesh
+from .offload import UnitDevices
+from .sharding import FlatLayout, chunk_rows, write_grad_into_segments
 
-if TYPE_CHECKING:
-    from .unit import ManagedParam, ShardedUnit
+logger = logging.getLogger(__name__)
 
-__all__ = ["UnitGradients", "divide_factors"]
+__all__ = ["GradState", "ReduceSpec", "UnitGradients", "divide_factors"]
+
+
+class GradState(enum.Enum):
+    IDLE = "idle"
+    ACCUMULATING = "accumulating"
+    STAGED = "staged"
+    REDUCE_SCATTERING = "reduce_scattering"
+    ALL_REDUCING = "all_reducing"
+
+
+_ALLOWED: dict[GradState, frozenset[GradState]] = {
+    GradState.IDLE: frozenset({GradState.ACCUMULATING, GradState.STAGED}),
+    GradState.ACCUMULATING: frozenset({GradState.STAGED, GradState.IDLE}),
+    GradState.STAGED: frozenset({GradState.REDUCE_SCATTERING, GradState.IDLE}),
+    GradState.REDUCE_SCATTERING: frozenset({GradState.ALL_REDUCING, GradState.IDLE}),
+    GradState.ALL_REDUCING: frozenset({GradState.IDLE}),
+}
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """What the gradient side needs to know about its unit (rebuilt when the unit's dtypes change)."""
+
+    owner_name: str
+    dp: DataParallelMesh
+    reduce_group: dist.ProcessGroup  # the shard group's reduce-scatter group (see meshes.reduce_scatter_group)
+    device: torch.device  # where the reduction runs (the mesh's device)
+    devices: UnitDevices
+    reduce_dtype: torch.dtype
+    grad_dtype: torch.dtype  # the sharded parameters' dtype, which ``.grad`` takes
+    extensions: ShardExtensions
 
 
 @dataclass
@@ -43,84 +84,105 @@ class _InFlight:
 
     work: Work | None
     output: torch.Tensor
-    buffer: torch.Tensor | None  # kept alive until the reduce-scatter completes
+    buffer: torch.Tensor | None  # the reduce-scatter input, kept alive until the reduce-scatter completes
     missing_locally: bool
-    all_reduce_started: bool = False
+    synchronising: bool  # the gradients are final after this reduction (user hooks fire)
 
 
 def divide_factors(world_size: int, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
     """(pre, post) divisors whose product is the divide factor (default: the data-parallel size, replicas included).
 
-    fp16 sums of many ranks overflow and fp16 pre-divided values underflow, so for fp16 the factor is split:
-    pre-divide by the largest power of two not above its square root (exact in binary floating point), post-divide by
-    the rest. Other dtypes have fp32's range: one post-division is the most accurate.
+    fp16 has a small range: the sum over ``world_size`` ranks of in-range values can overflow, so for fp16 every rank
+    pre-divides by ``world_size`` (the sum of the quotients is then an average, in range whenever the inputs are) and
+    the rest of the factor is applied after. Other dtypes have fp32's range: one post-division is the most accurate.
     """
     total = float(world_size if divide_factor is None else divide_factor)
-    if reduce_dtype != torch.float16:
+    if reduce_dtype != torch.float16 or world_size <= 1:
         return 1.0, total
-    pre = 1.0
-    while (pre * 2.0) ** 2 <= total:
-        pre *= 2.0
+    pre = float(world_size)
     return pre, total / pre
 
 
 class UnitGradients:
-    """The gradient side of a ``ShardedUnit``."""
+    """The gradient side of a ``ShardedUnit``: a ``GradState`` machine over one buffer and one reduction in flight."""
 
-    def __init__(self, unit: ShardedUnit) -> None:
-        self.unit = unit
-        self.trainable: list[ManagedParam] = []
-        self.layout = FlatLayout.build([], unit.world_size)
-        self.slot: dict[int, int] = {}  # id(ManagedParam) -> slot in ``layout`` (sharded trainable parameters)
-        self.scalar: dict[int, int] = {}  # id(ManagedParam) -> tail column (0-dim trainable parameters)
-        self.accumulated: torch.Tensor | None = None  # no-sync accumulation, in the reduce-scatter layout
-        self.staged: torch.Tensor | None = None  # written this backward, waiting for its reduce-scatter
-        self.in_flight: _InFlight | None = None  # a reduction started and not finished
-        self.unreduced_over_replicas: torch.Tensor | None = None  # HSDP partial sums while all-reduce is skipped
+    def __init__(self, spec: ReduceSpec, params: list[ManagedParam]) -> None:
+        self.spec = spec
+        self.state = GradState.IDLE
+        self.buffer: torch.Tensor | None = None  # ACCUMULATING / STAGED: the reduce-scatter input being filled
+        self.flight: _InFlight | None = None  # REDUCE_SCATTERING / ALL_REDUCING
+        self.replica_partial: torch.Tensor | None = None  # HSDP partial sums while the all-reduce is skipped
         self.on_finished: Callable[[], None] | None = None  # e.g. the optimizer step in backward
-        # Set by the root: completes the reduce-scatter in flight, so that at most one full-size gradient buffer
-        # (the one being filled) is alive at a time.
+        # Set by the step context: completes another unit's reduce-scatter in flight, so that at most one full-size
+        # gradient buffer (the one being filled) is alive at a time.
         self.make_room: Callable[[], None] | None = None
         self.locally_seen: set[int] = set()  # parameters with a gradient on this rank since the last reduce
-        self.written: set[int] = set()  # parameters whose region in ``accumulated`` holds a gradient already
-        self.column: dict[int, int] = {}  # id(ManagedParam) -> its "had a gradient" flag column in the tail
+        self.written: set[int] = set()  # parameters whose region in ``buffer`` holds a gradient already
         self.divide_factor: float | None = None  # fc.set_gradient_divide_factor (None: the data-parallel size)
         self.accumulating = False  # set by the state each forward: a no-sync micro-batch (gradients kept here)
-        self.refresh()
+        # (id of .grad, its version) per parameter when held gradients were last left between steps: a user's
+        # zero_grad changes them, which tells that the held gradients must be dropped too.
+        self._marks: dict[int, tuple[int, int]] = {}
+        self._placeholders: dict[int, int] = {}  # id(mp) -> id of the zero .grad that mark_held put there
+        self.refresh(params)
 
-    def refresh(self) -> None:
-        """Rebuild the layout from the parameters' cached ``trainable`` flags (the unit keeps those current)."""
-        if self.accumulated is not None or self.staged is not None:
+    # ------------------------------------------------------------------ state machine
+    def _to(self, new: GradState) -> None:
+        if new not in _ALLOWED[self.state]:
             raise RuntimeError(
-                f"requires_grad of parameters in the unit rooted at {self.unit.owner_name} changed while "
+                f"internal error in fsdp_compose: gradient pipeline of {self.spec.owner_name} cannot go from "
+                f"{self.state.value} to {new.value}; please report this with the steps that led here"
+            )
+        self.state = new
+
+    def refresh(self, params: list[ManagedParam]) -> None:
+        """Rebuild the layout from the parameters' cached ``trainable`` flags (the unit keeps those current)."""
+        if self.has_pending():
+            raise RuntimeError(
+                f"requires_grad of parameters in the unit rooted at {self.spec.owner_name} changed while "
                 "gradients from no-sync micro-batches are pending; finish the accumulation with a synced backward "
                 "(or zero_grad and start over) before freezing or unfreezing parameters"
             )
-        self.trainable = [mp for mp in self.unit.params if mp.trainable]
+        self.trainable = [mp for mp in params if mp.trainable]
         sharded = [mp for mp in self.trainable if mp.slot is not None]
-        self.layout = FlatLayout.build([mp.placing.local_shape for mp in sharded], self.unit.world_size)
-        self.slot = {id(mp): i for i, mp in enumerate(sharded)}
+        world_size = self.spec.dp.shard_size
+        self.layout = FlatLayout.build([mp.placing.local_shape for mp in sharded], world_size)
+        self.slot = {id(mp): i for i, mp in enumerate(sharded)}  # sharded trainable parameter -> layout slot
         self.scalar = {id(mp): i for i, mp in enumerate(mp for mp in self.trainable if mp.slot is None)}
-        self.column = {id(mp): i for i, mp in enumerate(self.trainable)}
+        self.column = {id(mp): i for i, mp in enumerate(self.trainable)}  # its "had a gradient" flag column
+        # Padding positions of the reduce-scatter input: (rank, start, stop). Zeroed in every new buffer so the
+        # collective never reads uninitialised memory (NaN under deterministic mode, trips NCCL's NaN check).
+        self.padding = [
+            (rank, slot.offset + rows * slot.row_numel, slot.offset + slot.numel)
+            for slot in self.layout.slots
+            for rank, rows in enumerate(chunk_rows(slot.shape[0], world_size))
+            if rows < slot.rows
+        ]
 
     @property
     def tail(self) -> int:
         return len(self.trainable) + len(self.scalar)
 
     def has_pending(self) -> bool:
-        return (
-            self.accumulated is not None
-            or self.staged is not None
-            or self.in_flight is not None
-            or self.unreduced_over_replicas is not None
-        )
+        return self.state is not GradState.IDLE or self.replica_partial is not None
 
     def _new_buffer(self) -> torch.Tensor:
-        unit = self.unit
-        return torch.empty(
-            unit.world_size, self.layout.segment_numel + self.tail, dtype=unit.reduce_dtype, device=unit.device
+        spec = self.spec
+        buffer = torch.empty(
+            spec.dp.shard_size, self.layout.segment_numel + self.tail, dtype=spec.reduce_dtype, device=spec.device
         )
+        for rank, start, stop in self.padding:
+            buffer[rank, start:stop].zero_()
+        return buffer
 
+    def _pre_divisor(self) -> float:
+        return divide_factors(self.spec.dp.size, self.divide_factor, self.spec.reduce_dtype)[0]
+
+    def _scalar_column(self, mp: ManagedParam) -> int:
+        """Tail column of a 0-dim parameter's gradient (after the segment and the flag columns)."""
+        return self.layout.segment_numel + len(self.trainable) + self.scalar[id(mp)]
+
+    # ------------------------------------------------------------------ filling the buffer
     def capture(self, mp: ManagedParam) -> None:
         """Post-accumulate-grad hook of a full parameter: while accumulating, move its gradient into the buffer.
 
@@ -128,37 +190,34 @@ class UnitGradients:
         (or added) into the unit's buffer in the reduce-scatter layout as soon as autograd produced it, and freed, so
         the unit never holds all its full gradients next to the accumulation buffer.
         """
-        if self.accumulated is None and not self.accumulating:
+        if self.buffer is None and not self.accumulating:
             # A plain synced step: allocating the buffer at the first gradient would keep it alive for the rest of
             # the unit's backward (for the root, whose head gradient comes first, all of backward); stage() moves
             # the gradients at post-backward instead.
             return
+        if self.state not in (GradState.IDLE, GradState.ACCUMULATING, GradState.STAGED):
+            return  # a second use while this unit's reduction runs: stage() finishes that first, then flushes
         grad = _local_grad(mp)
         if grad is None or id(mp) not in self.column:
             return
         self._write_one(mp, grad, self._pre_divisor())
 
-    def _pre_divisor(self) -> float:
-        return divide_factors(self.unit.dp.size, self.divide_factor, self.unit.reduce_dtype)[0]
-
-    def _scalar_column(self, mp: ManagedParam) -> int:
-        """Tail column of a 0-dim parameter's gradient (after the segment and the flag columns)."""
-        return self.layout.segment_numel + len(self.trainable) + self.scalar[id(mp)]
-
-    def _start_buffer(self, *, make_room: bool) -> torch.Tensor:
-        if make_room and self.make_room is not None:
-            self.make_room()
-        self.accumulated = self._new_buffer()
-        self.written = set()
-        return self.accumulated
+    def _buffer_for_writing(self) -> torch.Tensor:
+        if self.buffer is None:
+            if self.make_room is not None:
+                self.make_room()
+            self.buffer = self._new_buffer()
+            self.written = set()
+            self._to(GradState.ACCUMULATING)
+        return self.buffer
 
     def _write_one(self, mp: ManagedParam, grad: torch.Tensor, pre: float) -> None:
-        buffer = self.accumulated if self.accumulated is not None else self._start_buffer(make_room=True)
+        buffer = self._buffer_for_writing()
         fresh = id(mp) not in self.written
         segment = self.layout.segment_numel
         if id(mp) in self.scalar:
             column = buffer[:, self._scalar_column(mp)]
-            source = grad.reshape(1).expand(self.unit.world_size)
+            source = grad.reshape(1).expand(self.spec.dp.shard_size)
             column.copy_(source).div_(pre) if fresh else column.add_(source, alpha=1.0 / pre)
         else:
             slot = self.layout.slots[self.slot[id(mp)]]
@@ -190,28 +249,27 @@ class UnitGradients:
                 slot = self.layout.slots[self.slot[id(mp)]]
                 buffer[:, slot.offset : slot.offset + slot.numel].zero_()
             buffer[:, segment + self.column[id(mp)]].zero_()
+            self.written.add(id(mp))  # its region now holds a (zero) gradient: later writes add to it
 
     def accumulate(self) -> None:
         """A no-sync micro-batch ended: its gradients are in the accumulation buffer (moved there by ``capture``)."""
-        self._flush()
+        if self.trainable:
+            self._flush()
 
     def stage(self) -> None:
         """This backward's gradients, added to any accumulated ones, become the reduce-scatter input — the same
-        buffer, in place: no second buffer, no copy. A second stage before the reduce adds to the first."""
+        buffer, in place: no second buffer, no copy. Staging again before the reduce adds to it."""
         if not self.trainable:
             return
-        self.finish()  # a second use of the unit in one backward: its first reduction completes first
+        if self.state in (GradState.REDUCE_SCATTERING, GradState.ALL_REDUCING):
+            self.finish()  # a second use of the unit in one backward: its first reduction completes first
         self._flush()
-        buffer = self.accumulated if self.accumulated is not None else self._start_buffer(make_room=False)
-        self._complete(buffer)
-        if self.staged is None:
-            self.staged = buffer
-        else:
-            self.staged.add_(buffer)
-        self.accumulated = None
-        self.written = set()
+        self._complete(self._buffer_for_writing())
+        if self.state is not GradState.STAGED:
+            self._to(GradState.STAGED)
 
-    def reduce(self, *, all_reduce_replicas: bool = True) -> None:
+    # ------------------------------------------------------------------ the reduction
+    def reduce(self, *, all_reduce_replicas: bool, synchronising: bool) -> None:
         """Start the reduce-scatter of the staged buffer over the shard group (asynchronously).
 
         The reduction then moves on in ``advance`` (wait for it; for HSDP start the all-reduce over replicas) and
@@ -219,97 +277,117 @@ class UnitGradients:
         the reduce-scattered shard is kept as a partial sum over this replica's ranks, added in by the next
         reduction that does all-reduce.
         """
-        buffer = self.staged
-        if buffer is None:
+        if self.state is not GradState.STAGED:
             return
-        self.staged = None
-        self.finish()  # at most one reduction of this unit in flight
-        unit = self.unit
-        output = torch.empty(self.layout.segment_numel + self.tail, dtype=unit.reduce_dtype, device=unit.device)
-        hook = unit.extensions.reduce_scatter
+        buffer = self.buffer
+        assert buffer is not None
+        self.buffer = None
+        spec = self.spec
+        output = torch.empty(self.layout.segment_numel + self.tail, dtype=spec.reduce_dtype, device=spec.device)
+        hook = spec.extensions.reduce_scatter
         work: Work | None = None
-        if hook is not None:
-            hook(output, buffer.view(-1), unit.group)
-        elif unit.world_size == 1:
-            output.copy_(buffer.view(-1))
-        else:
-            work = reduce_scatter_flat(output, buffer.view(-1), unit.group, async_op=True)
+        with record_function("fsdp_compose::reduce_scatter"):
+            if hook is not None:
+                hook(output, buffer.view(-1), spec.reduce_group)
+            elif spec.dp.shard_size == 1:
+                output.copy_(buffer.view(-1))
+            else:
+                work = reduce_scatter_flat(output, buffer.view(-1), spec.reduce_group, async_op=True)
         # Reading the flags costs a device sync, so only a rank that lacked a gradient itself reads them.
         missing_locally = len(self.locally_seen) < len(self.trainable)
         self.locally_seen = set()
-        skip_all_reduce = unit.dp.replicate_group is not None and not all_reduce_replicas
-        self.in_flight = _InFlight(work, output, buffer if work is not None else None, missing_locally)
-        if skip_all_reduce:
-            self._wait_reduce_scatter(self.in_flight)
-            self.in_flight = None
-            if self.unreduced_over_replicas is None:
-                self.unreduced_over_replicas = output
+        self.flight = _InFlight(work, output, buffer if work is not None else None, missing_locally, synchronising)
+        self._to(GradState.REDUCE_SCATTERING)
+        if spec.dp.replicate_group is not None and not all_reduce_replicas:
+            self._wait_reduce_scatter(self.flight)
+            if self.replica_partial is None:
+                self.replica_partial = output
             else:
-                self.unreduced_over_replicas.add_(output)
+                self.replica_partial.add_(output)
+            self.flight = None
+            self._to(GradState.IDLE)
 
     def _wait_reduce_scatter(self, flight: _InFlight) -> None:
         if flight.buffer is not None:
             assert flight.work is not None
-            flight.work.wait()
+            with record_function("fsdp_compose::reduce_scatter_wait"):
+                flight.work.wait()
             flight.work = None
             flight.buffer = None  # the reduce-scatter input is free now
 
     def advance(self) -> None:
         """The reduce-scatter completes (its input buffer is freed); HSDP starts the asynchronous all-reduce over
         replicas, which overlaps the rest of backward. Without replicas the gradients are handed out right away."""
-        flight = self.in_flight
-        if flight is None or (flight.buffer is None and flight.work is not None):
+        if self.state is not GradState.REDUCE_SCATTERING:
             return  # nothing in flight, or the all-reduce already runs
+        flight = self.flight
+        assert flight is not None
         self._wait_reduce_scatter(flight)
-        replicas = self.unit.dp.replicate_group
+        replicas = self.spec.dp.replicate_group
         if replicas is None:
             self.finish()
             return
-        if flight.all_reduce_started:
-            return
-        if self.unreduced_over_replicas is not None:
-            flight.output.add_(self.unreduced_over_replicas)
-            self.unreduced_over_replicas = None
+        if self.replica_partial is not None:
+            flight.output.add_(self.replica_partial)
+            self.replica_partial = None
             flight.missing_locally = True  # the flags then count every micro-batch: read them
-        all_reduce_hook = self.unit.extensions.all_reduce
-        if all_reduce_hook is not None:
-            flight.work = all_reduce_hook(flight.output, replicas)
-        else:
-            flight.work = all_reduce(flight.output, replicas, async_op=True)
-        flight.all_reduce_started = True
+        all_reduce_hook = self.spec.extensions.all_reduce
+        with record_function("fsdp_compose::all_reduce"):
+            if all_reduce_hook is not None:
+                flight.work = all_reduce_hook(flight.output, replicas)
+            else:
+                flight.work = all_reduce(flight.output, replicas, async_op=True)
+        self._to(GradState.ALL_REDUCING)
 
     def finish(self) -> None:
         """Wait for what is in flight and hand every rank its rows as sharded ``.grad`` (then ``on_finished``)."""
-        flight = self.in_flight
-        if flight is None:
-            return
-        if self.unit.dp.replicate_group is not None and not flight.all_reduce_started:
+        if self.state is GradState.REDUCE_SCATTERING and self.spec.dp.replicate_group is not None:
             self.advance()
-        self.in_flight = None
+        if self.state not in (GradState.REDUCE_SCATTERING, GradState.ALL_REDUCING):
+            return
+        flight = self.flight
+        assert flight is not None
         self._wait_reduce_scatter(flight)
         if flight.work is not None:
-            flight.work.wait()
-        output, missing_locally = flight.output, flight.missing_locally
-        unit = self.unit
+            with record_function("fsdp_compose::all_reduce_wait"):
+                flight.work.wait()
+        self.flight = None
+        self._to(GradState.IDLE)
+        with record_function("fsdp_compose::deliver_gradients"):
+            self._deliver(flight)
+        if self.on_finished is not None:
+            self.on_finished()
+
+    def _deliver(self, flight: _InFlight) -> None:
+        output, spec = flight.output, self.spec
         segment = self.layout.segment_numel
-        _, post = divide_factors(unit.dp.size, self.divide_factor, unit.reduce_dtype)
+        _, post = divide_factors(spec.dp.size, self.divide_factor, spec.reduce_dtype)
         if post != 1.0:
             output.div_(post)
-        output = unit.devices.to_shard(output)  # offloaded: the sharded .grad lives in host memory
-        had_grad = (output[segment : segment + len(self.trainable)] > 0).tolist() if missing_locally else None
+        output = spec.devices.to_shard(output)  # offloaded: the sharded .grad lives in host memory
+        had_grad = (output[segment : segment + len(self.trainable)] > 0).tolist() if flight.missing_locally else None
         for index, mp in enumerate(self.trainable):
             if had_grad is not None and not had_grad[index]:
                 continue
             if id(mp) in self.scalar:
                 rows = output[segment + len(self.trainable) + self.scalar[id(mp)]].view(())
             else:
-                rows = self.layout.shard_view(output, self.slot[id(mp)], unit.rank)
+                rows = self.layout.shard_view(output, self.slot[id(mp)], spec.dp.shard_rank)
             self._add_to_sharded_grad(mp, rows)
-        if self.on_finished is not None:
-            self.on_finished()
+            if flight.synchronising:
+                _run_post_accumulate_grad_hooks(mp.sharded)
+        if flight.synchronising and self._placeholders:
+            # A parameter no rank had a gradient for keeps ``.grad = None`` (as in single-process training), also
+            # where a held-gradient placeholder stood: otherwise optimizers would step it (weight decay, momentum).
+            for index, mp in enumerate(self.trainable):
+                placeholder = self._placeholders.get(id(mp))
+                got_one = had_grad is None or had_grad[index]
+                if placeholder is not None and not got_one and id(mp.sharded.grad) == placeholder:
+                    mp.sharded.grad = None
+            self._placeholders = {}
 
     def _add_to_sharded_grad(self, mp: ManagedParam, rows: torch.Tensor) -> None:
-        rows = rows.to(self.unit.orig_dtype)
+        rows = rows.to(self.spec.grad_dtype)
         current = mp.sharded.grad
         if current is None:
             mp.sharded.grad = DTensor.from_local(
@@ -321,7 +399,77 @@ class UnitGradients:
                 stride=mp.sharded.stride(),
             )
         else:
-            cast(DTensor, current)._local_tensor.add_(rows)
+            current._local_tensor.add_(rows)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ gradients held between steps
+    def mark_held(self) -> None:
+        """Gradients stay held here past this backward (no-sync): make ``.grad`` tell us if the user drops them.
+
+        Each trainable parameter without a sharded ``.grad`` gets a zero one (the memory it takes once the window
+        synchronises anyway), and its identity and version are noted: ``zero_grad()`` either sets it to None or
+        zeroes it in place, and ``drop_if_user_zeroed`` sees either at the next step.
+        """
+        if not self.has_pending():
+            return
+        self._marks = {}
+        for mp in self.trainable:
+            grad = mp.sharded.grad
+            if grad is None:
+                grad = torch.zeros_like(mp.sharded)
+                mp.sharded.grad = grad
+                self._placeholders[id(mp)] = id(grad)
+            self._marks[id(mp)] = (id(grad), grad._version)
+
+    def drop_if_user_zeroed(self) -> bool:
+        """Drop the held gradients when the user zeroed the sharded ``.grad`` since ``mark_held``; True if dropped."""
+        if not self._marks or not self.has_pending():
+            self._marks = {}
+            return False
+        dropped = False
+        for mp in self.trainable:
+            mark = self._marks.get(id(mp))
+            grad = mp.sharded.grad
+            if mark is None:
+                continue
+            if grad is None or id(grad) != mark[0]:
+                dropped = True
+            elif grad._version != mark[1] and not bool(grad._local_tensor.any()):  # type: ignore[attr-defined]
+                dropped = True
+            if dropped:
+                break
+        self._marks = {}
+        if dropped:
+            logger.info(
+                "%s: .grad was zeroed during gradient accumulation: held gradients dropped", self.spec.owner_name
+            )
+            self.discard()
+        return dropped
+
+    def discard(self) -> None:
+        """Drop everything held or in flight (a failed step, a user's zero_grad). Waits for a running collective:
+        every rank issued it, so every rank must complete it."""
+        flight = self.flight
+        if flight is not None:
+            self._wait_reduce_scatter(flight)
+            if flight.work is not None:
+                flight.work.wait()
+        self.flight = None
+        self.buffer = None
+        self.replica_partial = None
+        self.written = set()
+        self.locally_seen = set()
+        self._marks = {}
+        self._placeholders = {}
+        self.state = GradState.IDLE
+
+
+def _run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """Hooks users registered on the sharded parameter (``register_post_accumulate_grad_hook``): autograd never
+    accumulates into it, so they are called here, once its gradient is final."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if hooks:
+        for hook in list(hooks.values()):
+            hook(param)
 
 
 def _local_grad(mp: ManagedParam) -> torch.Tensor | None:

@@ -16,11 +16,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Shard
 
 from .extensions import ShardExtensions
+from .flat import MOVED_ATTR, OWNER_ATTR
 from .meshes import PostForwardGroup, check_dp_mesh, check_post_forward_size, param_placing, post_forward_group
 from .offload import check_offload_policy
 from .policies import MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, ShardState, states_under
-from .unit import MOVED_ATTR, OWNER_ATTR, ShardedUnit
+from .unit import ShardedUnit
 
 __all__ = ["fully_shard", "get_state", "post_forward_group_for", "reshard_after_forward_setting"]
 

@@ -34,6 +34,7 @@ __all__ = [
     "check_post_forward_size",
     "param_placing",
     "post_forward_group",
+    "reduce_scatter_group",
 ]
 
 
@@ -230,3 +231,30 @@ def post_forward_group(mesh: DeviceMesh, size: int) -> PostForwardGroup:
     result = PostForwardGroup(group, size, dist.get_rank(group))
     cache[size] = result
     return result
+
+
+_REDUCE_SCATTER_GROUP_DESC = "fsdp_compose_reduce_scatter"
+
+
+def reduce_scatter_group(dp: DataParallelMesh) -> dist.ProcessGroup:
+    """A process group of the shard group's ranks, for reduce-scatters only.
+
+    All-gathers and reduce-scatters of one shard group then never share a communicator, so they need not be issued
+    in the same order on every rank: a unit whose output reaches the loss on some ranks only reduces at its
+    post-backward on those ranks and in the final callback on the others, while the all-gathers of the remaining
+    backward go on in between (on NCCL the two also overlap). Reduce-scatters themselves follow one fixed order
+    (see step.py). One group per set of ranks: an existing one is found again in torch's own registry of groups,
+    so units built on separate but equal meshes (``mesh=None`` builds one per call) share it. Only the member ranks
+    take part in creating it.
+    """
+    if dp.shard_size == 1:
+        return dp.shard_group
+    ranks = sorted(dist.get_process_group_ranks(dp.shard_group))
+    registry: dict[dist.ProcessGroup, dict[int, int]] = dist.distributed_c10d._world.pg_group_ranks
+    for group, members in registry.items():
+        if sorted(members) == ranks and getattr(group, "group_desc", None) == _REDUCE_SCATTER_GROUP_DESC:
+            return group
+    created: dist.ProcessGroup = dist.new_group(
+        ranks, use_local_synchronization=True, group_desc=_REDUCE_SCATTER_GROUP_DESC
+    )
+    return created

@@ -1,19 +1,20 @@
-"""A unit: the parameters of one ``fully_shard`` call and their flat shard buffer (gradients: see grads.py).
+"""A unit's gather state machine: all-gather the flat shards into full parameters, and free them again.
 
-1. ``unshard``  — all-gather the flat shard segment of every rank, copy each parameter's rows out into its own full
-   tensor, and register those full tensors on the owning modules (so the user's forward runs unchanged).
-2. ``reshard``  — register the sharded DTensor parameters again and free the full tensors' storage. The storage
-   object is kept and resized to zero, so tensors autograd saved still alias it and see the data again after the next
+The states (``UnitState``) and what moves between them::
+
+    SHARDED --start_unshard--> GATHERING --finish_unshard--> UNSHARDED --reshard--> SHARDED
+    UNSHARDED --reshard_to_group--> GROUP_SHARDED --start_unshard--> GATHERING     (reshard_after_forward=k)
+    GROUP_SHARDED --reshard--> SHARDED
+
+1. ``start_unshard(dtype)`` issues one flat all-gather of every rank's segment in the compute ``dtype``;
+   ``finish_unshard`` waits for it, copies each parameter's rows out into its own full tensor and registers those on
+   the owning modules, so the user's forward runs unchanged.
+2. ``reshard`` registers the sharded DTensor parameters again and frees the full tensors' storage. The storage object
+   is kept and resized to zero, so tensors autograd saved still alias it and see the data again after the next
    all-gather refills it.
 
-Parameters are *sharded* (``Shard(0)``, rows in ``flat``) or *kept whole* on every rank (``Replicate()``, never
-communicated): 0-dim parameters, and frozen ones under ``frozen_params="replicate"``.
-
-The sharded parameters' local tensors are views into ``flat``, so the all-gather reads them with no copy-in and the
-optimizer's in-place updates land in the buffer directly. Anything that breaks those views (``to_empty``,
-``load_state_dict(assign=True)``, ``copy.deepcopy``) is detected by identity and repaired by ``adopt`` before the next
-all-gather, keeping the ``nn.Parameter`` objects the optimizer holds. Under ``CPUOffloadPolicy`` ``flat`` lives in
-host memory and the all-gather reads a device copy of it instead (offload.py holds every host <-> device transfer).
+A transition not listed in ``_ALLOWED`` raises. The flat buffer and the sharded parameters are flat.py; the gradient
+side is grads.py, which knows nothing of this module.
 """
 
 from __future__ import annotations
@@ -22,33 +23,28 @@ import copy
 import enum
 import logging
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from .collectives import Work, all_gather_flat
 from .extensions import ShardExtensions
-from .grads import UnitGradients
-from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup
+from .flat import FlatShard, ManagedParam
+from .grads import ReduceSpec, UnitGradients
+from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_scatter_group
 from .offload import UnitDevices
 from .policies import OffloadPolicy
-from .sharding import FlatLayout, copy_param_from_segments, local_rows, write_param_into_segments
+from .sharding import FlatLayout, copy_param_from_segments, write_param_into_segments
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ManagedParam", "ShardedUnit", "UnitState"]
-
-# Attribute set on every sharded parameter so a later fully_shard on a submodule can tell that an enclosing call
-# already owns it. It lives on the parameter instance (not in a registry) and names the owner for error messages.
-OWNER_ATTR = "_fsdp_compose_owner"
-# Attribute set on the user's original parameter once a unit replaced it, so that a later fully_shard on a module that
-# still uses it (a tie) can tell; it names the unit that took it.
-MOVED_ATTR = "_fsdp_compose_moved_to"
+__all__ = ["ShardedUnit", "UnitState"]
 
 
 class UnitState(enum.Enum):
@@ -60,83 +56,12 @@ class UnitState(enum.Enum):
     GROUP_SHARDED = "group_sharded"
 
 
-@dataclass
-class ManagedParam:
-    """One parameter of a unit. ``owners`` lists every (module, attribute) holding it (ties inside the unit)."""
-
-    fqn: str
-    owners: list[tuple[nn.Module, str]]
-    placing: ParamPlacing
-    sharded: DTensor  # an nn.Parameter holding a DTensor
-    slot: int | None  # index into the unit's FlatLayout; None: kept whole on every rank
-    trainable: bool  # requires_grad as of the last trainability refresh
-    original: weakref.ref[nn.Parameter] | None = None  # the user's parameter this one replaced (for ties)
-    local: torch.Tensor | None = None  # the view into ``flat`` that ``sharded`` must hold; None: needs adopting
-    full: nn.Parameter | None = None  # the unsharded parameter used by forward/backward
-    full_data: torch.Tensor | None = None  # ``full.data``: writes through it do not bump ``full``'s version
-    gathered_version: int = field(default=-1)  # sharded._version when ``full`` was last filled
-    full_hooked: bool = False  # ``full`` carries the post-accumulate-grad hook that moves its gradients
-
-    def register(self, tensor: torch.Tensor) -> None:
-        for module, name in self.owners:
-            module._parameters[name] = tensor  # type: ignore[assignment]
-
-
-def _make_sharded_param(
-    local: torch.Tensor,
-    mesh: DeviceMesh,
-    placements: tuple[Placement, ...],
-    shape: torch.Size,
-    stride: tuple[int, ...],
-    requires_grad: bool,
-) -> DTensor:
-    dtensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-    param = nn.Parameter(dtensor, requires_grad=requires_grad)
-    _install_copier(param)
-    return cast(DTensor, param)
-
-
-def _install_copier(param: torch.Tensor) -> None:
-    # ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance first. torch's Tensor.__deepcopy__ takes a DTensor
-    # whose local tensor is a view at a non-zero offset (ours: a slice of the flat buffer) for a plain tensor with
-    # storage and fails, so each sharded parameter carries its own copier. It also keeps the mesh shared.
-    param.__dict__["__deepcopy__"] = _ShardedParamCopier(param)
-
-
-class _ShardedParamCopier:
-    """``copy.deepcopy`` of one sharded parameter: a DTensor parameter over a clone of its local shard (and grad)."""
-
-    def __init__(self, param: torch.Tensor) -> None:
-        # A strong reference (a cycle the GC collects): a weakref would make torch.utils.swap_tensors, which
-        # Module.to_empty uses on DTensor parameters, refuse the parameter.
-        self._param = param
-
-    def __call__(self, memo: dict[int, Any]) -> DTensor:
-        param = self._param
-        assert isinstance(param, DTensor)
-        new = _make_sharded_param(
-            param._local_tensor.detach().clone(),
-            param.device_mesh,
-            tuple(param.placements),
-            param.shape,
-            tuple(param.stride()),
-            param.requires_grad,
-        )
-        memo[id(param)] = new
-        grad = param.grad
-        if isinstance(grad, DTensor):
-            new.grad = DTensor.from_local(
-                grad._local_tensor.clone(),
-                grad.device_mesh,
-                grad.placements,
-                run_check=False,
-                shape=grad.shape,
-                stride=grad.stride(),
-            )
-        owner = getattr(param, OWNER_ATTR, None)
-        if owner is not None:
-            setattr(new, OWNER_ATTR, owner)
-        return new
+_ALLOWED: dict[UnitState, frozenset[UnitState]] = {
+    UnitState.SHARDED: frozenset({UnitState.GATHERING}),
+    UnitState.GATHERING: frozenset({UnitState.UNSHARDED}),
+    UnitState.UNSHARDED: frozenset({UnitState.SHARDED, UnitState.GROUP_SHARDED}),
+    UnitState.GROUP_SHARDED: frozenset({UnitState.GATHERING, UnitState.SHARDED}),
+}
 
 
 def _make_full_param(
@@ -192,7 +117,7 @@ class _CaptureGrad:
 
 
 class ShardedUnit:
-    """Parameters of one ``fully_shard`` call on a 1-D mesh, sharded on dim 0 into one flat buffer."""
+    """Parameters of one ``fully_shard`` call, sharded on dim 0 over the data-parallel mesh's shard group."""
 
     def __init__(
         self,
@@ -209,350 +134,199 @@ class ShardedUnit:
     ) -> None:
         self.dp = DataParallelMesh.of(mesh)
         self.extensions = extensions or ShardExtensions()
-        # The flat layout, the all-gather and the reduce-scatter run over the shard group.
+        # The flat layout and the all-gather run over the shard group; reduce-scatters over a separate group of the
+        # same ranks, so the two never have to be issued in one agreed order (see meshes.reduce_scatter_group).
         self.group: dist.ProcessGroup = self.dp.shard_group
+        self.reduce_group = reduce_scatter_group(self.dp)
         self.rank = self.dp.shard_rank
         self.world_size = self.dp.shard_size
         self.device = device  # where it computes: the mesh's device
         self.devices = UnitDevices.of(offload_policy or OffloadPolicy(), device)
         self.owner_name = owner_name
-        self.frozen_params = frozen_params
+        self.policy_param_dtype = param_dtype  # None: the parameters' own dtype
+        self.policy_reduce_dtype = reduce_dtype  # None: the compute dtype
         self.state = UnitState.SHARDED
+        self.explicit = False  # gathered by fc.unshard: the next forward consumes it rather than discarding it
+        self.compute_dtype: torch.dtype | None = None  # dtype of the full parameters gathered last
         self._pending_gather: _PendingGather | None = None
         self.post_forward: PostForwardGroup | None = None  # set by reshard_after_forward=k (1 < k < world size)
         self._group_block: torch.Tensor | None = None  # GROUP_SHARDED: this rank's W/k segments of the gathered buffer
-        dtypes = [p.dtype for _, p, _ in params if p.ndim > 0] or [p.dtype for _, p, _ in params] or [torch.float32]
-        self.orig_dtype: torch.dtype = dtypes[0]
-        self.param_dtype = param_dtype or self.orig_dtype
-        self.reduce_dtype = reduce_dtype or self.param_dtype
-        trainable = [p.requires_grad for _, p, _ in params]
-        whole = [self._kept_whole(len(pl.global_shape), t) for pl, t in zip(placings, trainable, strict=True)]
-        values = [(p.to_local() if isinstance(p, DTensor) else p).detach() for _, p, _ in params]
-        news, slots = self._build_flat(placings, values, whole, trainable, are_full=True)
-        self.params = [
-            ManagedParam(fqn, owners, placing, new, slot, trainable=p.requires_grad, original=weakref.ref(p))
-            for (fqn, p, owners), placing, new, slot in zip(params, placings, news, slots, strict=True)
-        ]
-        for mp in self.params:
-            self._installed(mp)
-        for _, p, _ in params:
-            setattr(p, MOVED_ATTR, owner_name)
-        self.grads = UnitGradients(self)
+        self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
+        self.grads = UnitGradients(self._reduce_spec(), self.params)
 
-    # ------------------------------------------------------------------ building the flat buffer
-    def _kept_whole(self, ndim: int, trainable: bool) -> bool:
-        return ndim == 0 or (self.frozen_params == "replicate" and not trainable)
-
-    def _build_flat(
-        self,
-        placings: list[ParamPlacing],
-        values: list[torch.Tensor],
-        whole: list[bool],
-        requires_grad: list[bool],
-        *,
-        are_full: bool,
-    ) -> tuple[list[DTensor], list[int | None]]:
-        """A new ``flat`` holding the sharded parameters' rows; new DTensor parameters over it (and whole ones).
-
-        ``values`` are the tensors FSDP shards (the TP-local tensor of a TP parameter) in full (``are_full``), or
-        this rank's shards of them.
-        """
-        sharded = [i for i, w in enumerate(whole) if not w]
-        self.layout = FlatLayout.build([placings[i].local_shape for i in sharded], self.world_size)
-        on_meta = any(v.is_meta for v in values)
-        self.flat = self.devices.new_flat(self.layout.segment_numel, self.orig_dtype, meta=on_meta)
-        slots: list[int | None] = [None] * len(values)
-        for position, i in enumerate(sharded):
-            slots[i] = position
-        news = []
-        for i, value in enumerate(values):
-            slot = slots[i]
-            placing = placings[i]
-            if slot is None:
-                local = self.devices.place(value, meta=on_meta)
-            else:
-                local = self.layout.shard_view(self.flat, slot, self.rank)
-                with torch.no_grad():
-                    local.copy_(local_rows(value, self.rank, self.world_size) if are_full else value)
-            placements = (
-                *self.dp.placements(whole=slot is None, split_factor=placing.split_factor),
-                *placing.tp_placements,
-            )
-            news.append(
-                _make_sharded_param(
-                    local,
-                    placing.spmd_mesh,
-                    placements,
-                    placing.global_shape,
-                    placing.global_stride,
-                    requires_grad[i],
-                )
-            )
-        return news, slots
-
-    def _installed(self, mp: ManagedParam) -> None:
-        setattr(mp.sharded, OWNER_ATTR, self.owner_name)
-        mp.local = mp.sharded._local_tensor
-        mp.full = mp.full_data = None
-        mp.register(mp.sharded)
-
-    def _reinstall(self, values: list[torch.Tensor], *, are_full: bool) -> None:
-        """Rebuild ``flat`` from ``values`` and swap the new DTensors into the existing parameter objects.
-
-        ``torch.utils.swap_tensors`` keeps the ``nn.Parameter`` objects optimizers hold. A gradient survives when the
-        parameter keeps its placement; one whose placement changes (sharded <-> whole) is dropped.
-        """
-        whole = [self._kept_whole(len(mp.sharded.shape), mp.trainable) for mp in self.params]
-        news, slots = self._build_flat(
-            [mp.placing for mp in self.params],
-            values,
-            whole,
-            [mp.sharded.requires_grad for mp in self.params],
-            are_full=are_full,
-        )
-        for mp, new, slot in zip(self.params, news, slots, strict=True):
-            grad = mp.sharded.grad if (slot is None) == (mp.slot is None) else None
-            torch.utils.swap_tensors(mp.sharded, new)
-            _install_copier(mp.sharded)  # the swap moved the copier that pointed at ``new``
-            mp.sharded.grad = grad
-            mp.slot = slot
-            self._installed(mp)
-
-    # ------------------------------------------------------------------ keeping the views intact
-    def views_intact(self) -> bool:
-        """Cheap per-step check (identity only) that every parameter is still ours and still a view into ``flat``."""
-        for mp in self.params:
-            module, name = mp.owners[0]
-            current: object = module._parameters.get(name)
-            if current is not mp.sharded or mp.sharded._local_tensor is not mp.local:
-                return False
-        return True
-
-    def check_materialized(self) -> None:
-        """Raise before any collective if a parameter is still on the meta device."""
-        for mp in self.params:
-            module, name = mp.owners[0]
-            current = module._parameters.get(name)
-            if current is not None and current.is_meta:
-                raise RuntimeError(
-                    f"parameter '{mp.fqn}' of the unit rooted at {self.owner_name} is still on the meta device at "
-                    "its first forward; materialize it first: module.to_empty(device=...) and then initialize "
-                    "(e.g. reset_parameters()) before calling the model"
-                )
-
-    def adopt(self) -> None:
-        """Make every parameter a view into a fresh ``flat`` again, keeping the ``nn.Parameter`` objects.
-
-        Picks up a parameter object the user registered in place of ours (it must be a DTensor of the same global
-        shape) and copies every current local shard into a new flat buffer (after ``to_empty``,
-        ``load_state_dict(assign=True)`` or ``copy.deepcopy``).
-        """
-        if self.state is not UnitState.SHARDED:
-            raise RuntimeError(f"internal: adopt() on {self.owner_name} while {self.state.value}")
-        self.check_materialized()
-        for mp in self.params:
-            module, name = mp.owners[0]
-            current: object = module._parameters.get(name)
-            if current is not mp.sharded:
-                if not isinstance(current, DTensor) or current.shape != mp.sharded.shape:
-                    raise ValueError(
-                        f"parameter '{mp.fqn}' of the unit rooted at {self.owner_name} was replaced by "
-                        f"{type(current).__name__} of shape {tuple(getattr(current, 'shape', ()))}; a sharded "
-                        "module needs DTensor parameters of the same global shape (use load_state_dict without "
-                        "assign=True, or fc.load_full_state_dict)"
-                    )
-                mp.sharded = current
-                mp.register(current)
-        self._reinstall([mp.sharded._local_tensor for mp in self.params], are_full=False)
-        logger.debug("re-adopted %d parameters of %s into a new flat buffer", len(self.params), self.owner_name)
-
-    def copy_for(self, memo: dict[int, Any]) -> ShardedUnit:
-        """This unit for a ``copy.deepcopy`` of its modules: same mesh, the copied parameters, adopted lazily.
-
-        The copied parameters are clones (not views into a flat buffer), so the new unit marks them for ``adopt``.
-        """
-        new = object.__new__(ShardedUnit)
-        new.__dict__.update(self.__dict__)
-        new.params = [
-            ManagedParam(
-                mp.fqn,
-                [(copy.deepcopy(module, memo), name) for module, name in mp.owners],
-                mp.placing,
-                copy.deepcopy(mp.sharded, memo),
-                mp.slot,
-                trainable=mp.trainable,
-            )
-            for mp in self.params
-        ]
-        new.flat = torch.zeros(0, dtype=self.orig_dtype, device="meta")
-        new.state = UnitState.SHARDED
-        new._pending_gather = None
-        new._group_block = None
-        new.grads = UnitGradients(new)
-        new.grads.divide_factor = self.grads.divide_factor
-        return new
-
-    # ------------------------------------------------------------------ trainability
-    def trainability_changed(self) -> bool:
-        return any(mp.sharded.requires_grad != mp.trainable for mp in self.params)
-
-    def refresh_trainable(self) -> bool:
-        """Catch up with ``requires_grad`` changes: which parameters get full gradients and are reduced, and (under
-        ``frozen_params="replicate"``) which are kept whole. Returns whether anything changed.
-
-        Moving a parameter between sharded and whole re-lays out the unit, which all-gathers it once in its
-        original dtype: every rank must make the same change (as with any change to the model).
-        """
-        if not self.trainability_changed():
-            return False
-        if self.grads.has_pending():
-            self.grads.refresh()  # raises: gradients from no-sync micro-batches would be lost
-        old_whole = [mp.slot is None for mp in self.params]
-        for mp in self.params:
-            mp.trainable = mp.sharded.requires_grad
-        new_whole = [self._kept_whole(len(mp.sharded.shape), mp.trainable) for mp in self.params]
-        if new_whole != old_whole:
-            self._relayout()
-        for mp in self.params:
-            if mp.full is not None:
-                mp.full.requires_grad_(mp.trainable)
-                self._hook_full(mp)
-        self.grads.refresh()
-        return True
-
-    def _hook_full(self, mp: ManagedParam) -> None:
-        """Once per full parameter that requires grad: hand each gradient to ``grads.capture`` as it is made."""
-        if mp.full is not None and mp.full.requires_grad and not mp.full_hooked:
-            mp.full.register_post_accumulate_grad_hook(_CaptureGrad(self, mp))
-            mp.full_hooked = True
-
-    def _relayout(self) -> None:
-        compute_dtype = self.param_dtype
-        self.reshard()
-        self.param_dtype = self.orig_dtype  # gather the master values, not a low-precision copy
-        try:
-            self.unshard()
-            values = [cast(torch.Tensor, mp.full_data).clone() for mp in self.params]
-            self.reshard()
-        finally:
-            self.param_dtype = compute_dtype
-        self._reinstall(values, are_full=True)
-        logger.debug("re-laid out %s: %d parameters kept whole", self.owner_name, self.layout.segment_numel)
-
-    def release(self, original: nn.Parameter) -> list[tuple[nn.Module, str]]:
-        """Stop managing the parameter that replaced ``original`` (it moves to an enclosing unit: a tie).
-
-        Returns the (module, attribute) pairs that held it; the caller registers its own parameter there.
-        """
-        if self.state is not UnitState.SHARDED or self.grads.has_pending():
-            raise RuntimeError(f"cannot move a tied parameter out of {self.owner_name} while it is in use")
-        index = next(i for i, mp in enumerate(self.params) if mp.original is not None and mp.original() is original)
-        released = self.params.pop(index)
-        self._reinstall([mp.sharded._local_tensor for mp in self.params], are_full=False)
-        self.grads.refresh()
-        return released.owners
-
-    # ------------------------------------------------------------------ unshard / reshard
+    # ------------------------------------------------------------------ dtypes
     @property
-    def shard_device(self) -> torch.device:
-        """Where the sharded parameters and their gradients live (the compute device unless offloaded)."""
-        return self.devices.shard
+    def params(self) -> list[ManagedParam]:
+        return self.shards.params
+
+    @property
+    def layout(self) -> FlatLayout:
+        return self.shards.layout
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.shards.flat
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        """The sharded parameters' dtype (changes with ``model.to(dtype)``)."""
+        return self.shards.dtype
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The compute dtype of forward and backward by policy (the parameters' own dtype without one)."""
+        return self.policy_param_dtype or self.shards.dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.policy_reduce_dtype or self.param_dtype
+
+    def _reduce_spec(self) -> ReduceSpec:
+        return ReduceSpec(
+            owner_name=self.owner_name,
+            dp=self.dp,
+            reduce_group=self.reduce_group,
+            device=self.device,
+            devices=self.devices,
+            reduce_dtype=self.reduce_dtype,
+            grad_dtype=self.shards.dtype,
+            extensions=self.extensions,
+        )
+
+    # ------------------------------------------------------------------ state machine
+    def _to(self, new: UnitState) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise RuntimeError(
+                f"internal error in fsdp_compose: unit {self.owner_name} cannot go from {self.state.value} to "
+                f"{new.value}; please report this with the steps that led here"
+            )
+        self.state = new
 
     @property
     def is_unsharded(self) -> bool:
         return self.state is UnitState.UNSHARDED
 
-    def is_stale(self) -> bool:
-        """True when unsharded but a sharded parameter changed since (e.g. an optimizer step in between)."""
-        return any(mp.sharded._version != mp.gathered_version for mp in self.params)
-
     @property
     def needs_gather(self) -> bool:
         return self.state is UnitState.SHARDED or self.state is UnitState.GROUP_SHARDED
 
-    def start_unshard(self, *, async_op: bool) -> None:
-        """Issue the all-gather (no-op when already unsharded or gathering)."""
+    @property
+    def shard_device(self) -> torch.device:
+        """Where the sharded parameters and their gradients live (the compute device unless offloaded)."""
+        return self.devices.shard
+
+    def is_stale(self) -> bool:
+        """True when unsharded but a sharded parameter changed in place since (e.g. an optimizer step)."""
+        return any(mp.sharded._version != mp.gathered_version for mp in self.params)
+
+    # ------------------------------------------------------------------ re-adopting changed parameters
+    def _adopt_if_changed(self) -> None:
+        """Before a gather: pick up parameters replaced or cast since the last one (see ``FlatShard.adopt``)."""
+        if self.shards.views_intact():
+            return
+        before = self.shards.dtype
+        self.shards.adopt()
+        if self.shards.dtype != before:
+            if self.grads.has_pending():
+                raise RuntimeError(
+                    f"the parameters of {self.owner_name} were cast from {before} to {self.shards.dtype} while "
+                    "no-sync gradients are pending; cast the model between optimizer steps"
+                )
+            self.grads = _rebuilt_gradients(self.grads, self._reduce_spec(), self.params)
+
+    # ------------------------------------------------------------------ unshard / reshard
+    def start_unshard(self, dtype: torch.dtype, *, async_op: bool) -> None:
+        """Issue the all-gather in ``dtype`` (no-op when already unsharded or gathering)."""
         if self.state is UnitState.GROUP_SHARDED:
             block = self._group_block
             self._group_block = None
-            if block is not None and block.dtype == self.param_dtype:
+            if block is not None and block.dtype == dtype:
                 self._start_group_gather(block, async_op=async_op)
                 return
-            self.state = UnitState.SHARDED  # gathered in another precision since: gather from the shards
+            self._to(UnitState.SHARDED)  # gathered in another precision since: gather from the shards
         if self.state is not UnitState.SHARDED:
             return
-        if not self.views_intact():
-            self.adopt()
+        self._adopt_if_changed()
+        self.compute_dtype = dtype
         transform = self.extensions.all_gather
         numel = self.layout.segment_numel
-        if transform is None and self.param_dtype != self.orig_dtype and self.world_size > 1 and numel > 0:
-            # Cast straight into this rank's segment of the output and all-gather in place (the input is a view of
-            # the output): no separate low-precision copy of the shard lives next to the output while it runs.
-            gathered = torch.empty(self.world_size * numel, dtype=self.param_dtype, device=self.device)
-            shard = gathered[self.rank * numel : (self.rank + 1) * numel]
-            self.devices.copy_to_compute(shard, self.flat)
-            work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
-            self._pending_gather = _PendingGather(work, gathered, shard, encoded=False)
-            self.state = UnitState.GATHERING
-            return
-        shard = self.devices.to_compute(self.flat, self.param_dtype)
-        if transform is not None:
-            shard = transform.encode(shard)
-        if self.world_size == 1 or numel == 0:
-            self._pending_gather = _PendingGather(None, shard, shard, encoded=transform is not None)
-        else:
-            gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
-            work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
-            self._pending_gather = _PendingGather(work, gathered, shard, encoded=transform is not None)
-        self.state = UnitState.GATHERING
+        flat = self.shards.flat
+        with record_function("fsdp_compose::all_gather"):
+            if transform is None and dtype != flat.dtype and self.world_size > 1 and numel > 0:
+                # Cast straight into this rank's segment of the output and all-gather in place (the input is a view
+                # of the output): no separate low-precision copy of the shard lives next to the output while it
+                # runs. Offloaded, the shard crosses to the device in its own dtype first and is cast there.
+                gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device)
+                shard = gathered[self.rank * numel : (self.rank + 1) * numel]
+                shard.copy_(self.devices.to_compute(flat, flat.dtype))
+                work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
+                self._pending_gather = _PendingGather(work, gathered, shard, encoded=False)
+            else:
+                shard = self.devices.to_compute(flat, dtype)
+                if transform is not None and self.world_size > 1:
+                    shard = transform.encode(shard)
+                if self.world_size == 1 or numel == 0:
+                    self._pending_gather = _PendingGather(None, shard, shard, encoded=False)
+                else:
+                    gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+                    work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
+                    self._pending_gather = _PendingGather(work, gathered, shard, encoded=transform is not None)
+        self._to(UnitState.GATHERING)
 
     def _start_group_gather(self, block: torch.Tensor, *, async_op: bool) -> None:
         """All-gather the post-forward blocks within the group of k ranks: all ``W`` segments, in order."""
         assert self.post_forward is not None
         gathered = torch.empty(self.world_size * self.layout.segment_numel, dtype=block.dtype, device=block.device)
-        work = all_gather_flat(gathered, block.view(-1), self.post_forward.group, async_op=async_op)
+        with record_function("fsdp_compose::all_gather"):
+            work = all_gather_flat(gathered, block.view(-1), self.post_forward.group, async_op=async_op)
         self._pending_gather = _PendingGather(work, gathered, block, encoded=False)
-        self.state = UnitState.GATHERING
+        self._to(UnitState.GATHERING)
 
     def finish_unshard(self) -> None:
         """Wait for the all-gather, fill the full parameters and register them on the modules."""
         if self.state is not UnitState.GATHERING:
             return
-        assert self._pending_gather is not None
+        assert self._pending_gather is not None and self.compute_dtype is not None
         pending, self._pending_gather = self._pending_gather, None
         if pending.work is not None:
-            pending.work.wait()
-        gathered = pending.output
-        transform = self.extensions.all_gather
-        if pending.encoded and transform is not None:
-            segments = transform.decode(gathered.view(self.world_size, -1), self.param_dtype)
-            segments = segments[:, : self.layout.segment_numel]
-        else:
-            segments = gathered.view(self.world_size, self.layout.segment_numel)
-        for mp in self.params:
-            full_data = self._ensure_full(mp)
-            if mp.slot is not None:
-                copy_param_from_segments(full_data, segments, self.layout.slots[mp.slot])
-            elif full_data.data_ptr() != mp.sharded._local_tensor.data_ptr():
-                self.devices.copy_to_compute(full_data, mp.sharded._local_tensor)
-            mp.gathered_version = mp.sharded._version
-            assert mp.full is not None
-            mp.register(mp.full)
-        self.state = UnitState.UNSHARDED
+            with record_function("fsdp_compose::all_gather_wait"):
+                pending.work.wait()
+        dtype = self.compute_dtype
+        with record_function("fsdp_compose::all_gather_copy_out"):
+            gathered = pending.output
+            transform = self.extensions.all_gather
+            if pending.encoded and transform is not None:
+                segments = transform.decode(gathered.view(self.world_size, -1), dtype)
+                segments = segments[:, : self.layout.segment_numel]
+            else:
+                segments = gathered.view(self.world_size, self.layout.segment_numel)
+            for mp in self.params:
+                full_data = self._ensure_full(mp, dtype)
+                if mp.slot is not None:
+                    copy_param_from_segments(full_data, segments, self.layout.slots[mp.slot])
+                elif full_data.data_ptr() != mp.sharded._local_tensor.data_ptr():
+                    self.devices.copy_to_compute(full_data, mp.sharded._local_tensor)
+                mp.gathered_version = mp.sharded._version
+                assert mp.full is not None
+                mp.register(mp.full)
+        self._to(UnitState.UNSHARDED)
 
-    def unshard(self) -> None:
-        self.start_unshard(async_op=False)
+    def unshard(self, dtype: torch.dtype) -> None:
+        self.start_unshard(dtype, async_op=False)
         self.finish_unshard()
 
-    def _ensure_full(self, mp: ManagedParam) -> torch.Tensor:
+    def _ensure_full(self, mp: ManagedParam, dtype: torch.dtype) -> torch.Tensor:
         """The full parameter's ``.data`` with storage allocated (created on first use, resized back after)."""
-        if mp.full is None or mp.full.dtype != self.param_dtype:
-            if mp.slot is None and self.param_dtype == self.orig_dtype and not self.devices.offloaded:
+        if mp.full is None or mp.full.dtype != dtype:
+            if mp.slot is None and dtype == self.shards.dtype and not self.devices.offloaded:
                 local = mp.sharded._local_tensor  # whole: the full parameter aliases it, no copy
             else:
-                local = torch.empty(mp.placing.local_shape, dtype=self.param_dtype, device=self.device)
+                local = torch.empty(mp.placing.local_shape, dtype=dtype, device=self.device)
             mp.full, mp.full_data = _make_full_param(local, mp.placing, mp.trainable)
             mp.full_hooked = False
+            self._hook_full(mp)
+        elif mp.full.requires_grad != mp.trainable:
+            mp.full.requires_grad_(mp.trainable)
             self._hook_full(mp)
         assert mp.full_data is not None
         storage = mp.full_data.untyped_storage()
@@ -565,17 +339,24 @@ class ShardedUnit:
         """Register the sharded parameters again and free the full parameters' storage (keeping the objects)."""
         if self.state is UnitState.GATHERING:
             self.finish_unshard()
+        self.explicit = False
         if self.state is UnitState.GROUP_SHARDED:
             self._group_block = None
-            self.state = UnitState.SHARDED
-        if self.state is UnitState.SHARDED:
-            return
+            self._to(UnitState.SHARDED)
+        if self.state is UnitState.UNSHARDED:
+            self._free_full()
+            self._to(UnitState.SHARDED)
+
+    def _free_full(self) -> None:
         for mp in self.params:
+            # ``requires_grad_`` the user called while the full parameters were registered belongs to the
+            # parameter the module will hold from now on: the trainability check reads the sharded one.
+            if mp.full is not None and mp.registered() is mp.full and mp.full.requires_grad != mp.trainable:
+                mp.sharded.requires_grad_(mp.full.requires_grad)
             mp.register(mp.sharded)
             full_data = mp.full_data
             if full_data is not None and full_data.untyped_storage().data_ptr() != mp.sharded._local_tensor.data_ptr():
                 full_data.untyped_storage().resize_(0)
-        self.state = UnitState.SHARDED
 
     def reshard_to_group(self) -> None:
         """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest.
@@ -591,17 +372,106 @@ class ShardedUnit:
             return
         per_member = self.world_size // self.post_forward.size
         first = self.post_forward.position * per_member
-        block = torch.zeros(per_member, self.layout.segment_numel, dtype=self.param_dtype, device=self.device)
+        assert self.compute_dtype is not None
+        block = torch.zeros(per_member, self.layout.segment_numel, dtype=self.compute_dtype, device=self.device)
         for mp in self.params:
             if mp.slot is not None and mp.full_data is not None:
                 write_param_into_segments(mp.full_data, block, self.layout.slots[mp.slot], first)
-        self.reshard()
+        self._free_full()
         self._group_block = block
-        self.state = UnitState.GROUP_SHARDED
+        self._to(UnitState.GROUP_SHARDED)
 
-    # ------------------------------------------------------------------ gradients (see grads.py)
     def has_pending_full_grads(self) -> bool:
+        """Full-size ``.grad`` left on full parameters (none between steps: they move into the gradient buffer)."""
         return any(mp.full is not None and mp.full.grad is not None for mp in self.params)
 
-    def has_accumulated_grads(self) -> bool:
-        return self.grads.accumulated is not None
+    # ------------------------------------------------------------------ trainability
+    def _current_requires_grad(self, mp: ManagedParam) -> bool:
+        """``requires_grad`` of the parameter the module holds now: the full one while unsharded."""
+        registered = mp.registered()
+        if registered is mp.full and mp.full is not None:
+            return mp.full.requires_grad
+        return mp.sharded.requires_grad
+
+    def trainability_changed(self) -> bool:
+        return any(self._current_requires_grad(mp) != mp.trainable for mp in self.params)
+
+    def refresh_trainable(self) -> bool:
+        """Catch up with ``requires_grad`` changes: which parameters get full gradients and are reduced, and (under
+        ``frozen_params="replicate"``) which are kept whole. Returns whether anything changed.
+
+        Moving a parameter between sharded and whole re-lays out the unit, which all-gathers it once in its
+        original dtype: every rank must make the same change (as with any change to the model).
+        """
+        if not self.trainability_changed():
+            return False
+        if self.grads.has_pending():
+            self.grads.refresh(self.params)  # raises: gradients from no-sync micro-batches would be lost
+        old_whole = [mp.slot is None for mp in self.params]
+        for mp in self.params:
+            mp.trainable = self._current_requires_grad(mp)
+            mp.sharded.requires_grad_(mp.trainable)
+        new_whole = [self.shards.kept_whole(len(mp.sharded.shape), mp.trainable) for mp in self.params]
+        if new_whole != old_whole:
+            self._relayout()
+        for mp in self.params:
+            if mp.full is not None:
+                mp.full.requires_grad_(mp.trainable)
+                self._hook_full(mp)
+        self.grads.refresh(self.params)
+        return True
+
+    def _hook_full(self, mp: ManagedParam) -> None:
+        """Once per full parameter that requires grad: hand each gradient to ``grads.capture`` as it is made."""
+        if mp.full is not None and mp.full.requires_grad and not mp.full_hooked:
+            mp.full.register_post_accumulate_grad_hook(_CaptureGrad(self, mp))
+            mp.full_hooked = True
+
+    def _relayout(self) -> None:
+        self.reshard()
+        self.unshard(self.shards.dtype)  # gather the master values, not a low-precision copy
+        values = [cast(torch.Tensor, mp.full_data).clone() for mp in self.params]
+        self.reshard()
+        self.shards.reinstall(values, are_full=True)
+        logger.debug("re-laid out %s: %d elements sharded per rank", self.owner_name, self.layout.segment_numel)
+
+    def release(self, original: nn.Parameter) -> list[tuple[nn.Module, str]]:
+        """Stop managing the parameter that replaced ``original`` (it moves to an enclosing unit: a tie).
+
+        Returns the (module, attribute) pairs that held it; the caller registers its own parameter there.
+        """
+        if self.state is not UnitState.SHARDED or self.grads.has_pending():
+            raise RuntimeError(f"cannot move a tied parameter out of {self.owner_name} while it is in use")
+        released = self.shards.release(original)
+        self.grads.refresh(self.params)
+        return released.owners
+
+    # ------------------------------------------------------------------ copy.deepcopy
+    def copy_for(self, memo: dict[int, Any]) -> ShardedUnit:
+        """This unit for a ``copy.deepcopy`` of its modules: same mesh and groups, the copied parameters (adopted at
+        the first gather), its own copy of the extensions (hooks may keep state, e.g. error feedback)."""
+        if self.state is not UnitState.SHARDED:
+            raise RuntimeError(
+                f"copy.deepcopy of a sharded module while its unit {self.owner_name} is {self.state.value}; call "
+                "fc.reshard(module) first (units are resharded between training steps)"
+            )
+        new = object.__new__(ShardedUnit)
+        new.__dict__.update(self.__dict__)
+        new.shards = self.shards.copy_for(memo)
+        new.extensions = copy.deepcopy(self.extensions, memo)
+        new.explicit = False
+        new._pending_gather = None
+        new._group_block = None
+        divide_factor = self.grads.divide_factor
+        new.grads = UnitGradients(new._reduce_spec(), new.params)
+        new.grads.divide_factor = divide_factor
+        return new
+
+
+def _rebuilt_gradients(old: UnitGradients, spec: ReduceSpec, params: list[ManagedParam]) -> UnitGradients:
+    """The gradient side for new dtypes, keeping its settings and the callbacks set on the old one."""
+    new = UnitGradients(spec, params)
+    new.divide_factor = old.divide_factor
+    new.on_finished = old.on_finished
+    new.make_room = old.make_room
+    return new

@@ -51,7 +51,9 @@ def test_unshard_and_reshard_functions(run_dist, ws: int) -> None:
     run_dist(ws, _unshard_and_reshard)
 
 
-def _reshard_settings(rank: int, ws: int) -> tuple[float, list[bool], list[bool]]:
+def _reshard_settings(rank: int, ws: int) -> tuple[float, list[bool], list[bool], list[bool]]:
+    """reshard_after_forward/backward=False, two micro-batches per step: full parameters stay from forward into
+    backward and across the no-sync micro-batch, and the synchronising backward reshards (an optimizer step follows)."""
     cfg = GPTConfig()
     reference, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws))
@@ -60,29 +62,29 @@ def _reshard_settings(rank: int, ws: int) -> tuple[float, list[bool], list[bool]
     units = [fc.get_state(m).unit for m in [model, *model.blocks]]
     opt = make_optimizer("sgd")(model.parameters())
     ref_opt = make_optimizer("sgd")(reference.parameters())
-    after_forward, after_backward = [], []
+    after_forward, after_no_sync, after_sync = [], [], []
     for step in range(3):
-        inputs, targets = synthetic_batch(cfg, 4, step)
+        inputs, targets = synthetic_batch(cfg, 8, step)
         ref_opt.zero_grad()
         loss_fn(reference(inputs), targets).backward()
         ref_opt.step()
         opt.zero_grad()
-        loss = loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws))
-        after_forward.append(all(u.is_unsharded for u in units))
-        loss.backward()
-        after_backward.append(all(u.is_unsharded for u in units))
-        # the step changes the shards while the units stay unsharded: the next forward must gather again
+        pairs = list(zip(local_batch(inputs, rank, ws).chunk(2), local_batch(targets, rank, ws).chunk(2), strict=True))
+        with fc.no_sync(model):
+            loss = loss_fn(model(pairs[0][0]), pairs[0][1]) / 2
+            after_forward.append(all(u.is_unsharded for u in units))
+            loss.backward()
+        after_no_sync.append(all(u.is_unsharded for u in units))
+        (loss_fn(model(pairs[1][0]), pairs[1][1]) / 2).backward()
+        after_sync.append(any(u.is_unsharded for u in units))
         opt.step()
-    fc.reshard(model)
-    for block in model.blocks:
-        fc.reshard(block)
-    return max_param_diff(model, reference), after_forward, after_backward
+    return max_param_diff(model, reference), after_forward, after_no_sync, after_sync
 
 
 @pytest.mark.parametrize("ws", [2, 4])
-def test_kept_unsharded_across_optimizer_steps_stays_correct(run_dist, ws: int) -> None:
-    for diff, after_forward, after_backward in run_dist(ws, _reshard_settings):
-        assert all(after_forward) and all(after_backward)
+def test_kept_unsharded_through_no_sync_and_resharded_by_the_synchronising_backward(run_dist, ws: int) -> None:
+    for diff, after_forward, after_no_sync, after_sync in run_dist(ws, _reshard_settings):
+        assert all(after_forward) and all(after_no_sync) and not any(after_sync)
         assert diff <= 1e-5
 
 
@@ -96,12 +98,13 @@ def _no_sync_keeps_full_grads(rank: int, ws: int) -> None:
         loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
     assert fc.get_state(model.blocks[0]).requires_gradient_sync
     units = [fc.get_state(m).unit for m in [model, *model.blocks]]
-    assert all(p.grad is None for p in model.parameters())
+    # .grad holds zeros while the unit holds the micro-batch's gradients (a user's zero_grad then drops them)
+    assert all(isinstance(p.grad, DTensor) and not p.grad.to_local().any() for p in model.parameters())
     # the micro-batch's gradients moved into each unit's reduce-scatter buffer; no full-size .grad is left
-    assert all(u.has_accumulated_grads() and not u.has_pending_full_grads() for u in units)
+    assert all(u.grads.has_pending() and not u.has_pending_full_grads() for u in units)
     loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
     assert all(isinstance(p.grad, DTensor) for p in model.parameters())
-    assert not any(u.has_accumulated_grads() or u.has_pending_full_grads() for u in units)
+    assert not any(u.grads.has_pending() or u.has_pending_full_grads() for u in units)
 
 
 @pytest.mark.parametrize("ws", [2])

@@ -11,6 +11,7 @@ import torch
 import fsdp_compose as fc
 import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
+from fsdp_compose.grads import GradState
 from fsdp_compose.unit import UnitState
 from tests.dist_utils import local_batch, mesh_1d, reference_and_copy, shard_gpt, train_pair
 
@@ -30,10 +31,10 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
     issued: list[tuple[str, bool]] = []
     original = unit_module.ShardedUnit.start_unshard
 
-    def recording(self: unit_module.ShardedUnit, *, async_op: bool) -> None:
+    def recording(self: unit_module.ShardedUnit, dtype: torch.dtype, *, async_op: bool) -> None:
         if self.state is UnitState.SHARDED:
             issued.append((units[id(self)], async_op))
-        original(self, async_op=async_op)
+        original(self, dtype, async_op=async_op)
 
     inputs, targets = synthetic_batch(cfg, 4, 0)
     x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
@@ -47,7 +48,7 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
         unit_module.ShardedUnit.start_unshard = original  # type: ignore[method-assign]
     states = [fc.get_state(m) for m in [model, *model.blocks]]
     left_in_flight = [
-        s.unit.state is UnitState.GATHERING or s.unit.grads.in_flight is not None or s.unit.grads.staged is not None
+        s.unit.state is UnitState.GATHERING or s.unit.grads.state is not GradState.IDLE
         for s in states
     ]
     return {"issued": issued, "left_in_flight": any(left_in_flight)}
@@ -138,13 +139,12 @@ def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
     overlapping: list[str] = []
     original = unit_module.ShardedUnit.start_unshard
 
-    def recording(self: unit_module.ShardedUnit, *, async_op: bool) -> None:
+    def recording(self: unit_module.ShardedUnit, dtype: torch.dtype, *, async_op: bool) -> None:
         if self.state is UnitState.SHARDED:
             issued.append((units[id(self)], async_op))
-            flights = [u.grads.in_flight for u in all_units]
-            if any(f is not None and f.buffer is not None for f in flights):
+            if any(u.grads.state is GradState.REDUCE_SCATTERING for u in all_units):
                 overlapping.append(units[id(self)])
-        original(self, async_op=async_op)
+        original(self, dtype, async_op=async_op)
 
     inputs, targets = synthetic_batch(cfg, 4, 0)
     x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)

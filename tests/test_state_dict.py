@@ -61,7 +61,7 @@ def _full_round_trip(rank: int, ws: int, kind: str) -> dict[str, Any]:
         "plain": plain,
         "loaded_diff": loaded_diff,
         "third_diff": max_param_diff(third, reference),
-        "still_views": all(fc.get_state(m).unit.views_intact() for m in [other, *other.blocks]),
+        "still_views": all(fc.get_state(m).unit.shards.views_intact() for m in [other, *other.blocks]),
     }
 
 

@@ -1,0 +1,321 @@
+"""A unit's parameters as this rank's shards: one flat buffer, and DTensor parameters that are views into it.
+
+Parameters are *sharded* (``Shard(0)``, rows in ``flat``) or *kept whole* on every rank (``Replicate()``, never
+communicated): 0-dim parameters, and frozen ones under ``frozen_params="replicate"``.
+
+The sharded parameters' local tensors are views into ``flat``, so the all-gather reads them with no copy-in and the
+optimizer's in-place updates land in the buffer directly. Anything that breaks those views (``to_empty``,
+``load_state_dict(assign=True)``, ``copy.deepcopy``, ``model.to(dtype)``) is detected by identity and repaired by
+``adopt`` before the next all-gather, keeping the ``nn.Parameter`` objects the optimizer holds (and taking the new
+dtype, if the module was cast). Under ``CPUOffloadPolicy`` ``flat`` lives in host memory (see offload.py).
+
+Nothing here communicates: the gather side is unit.py, the gradient side grads.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+
+from .meshes import DataParallelMesh, ParamPlacing
+from .offload import UnitDevices
+from .sharding import FlatLayout, local_rows
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MOVED_ATTR", "OWNER_ATTR", "FlatShard", "ManagedParam"]
+
+# Attribute set on every sharded parameter so a later fully_shard on a submodule can tell that an enclosing call
+# already owns it. It lives on the parameter instance (not in a registry) and names the owner for error messages.
+OWNER_ATTR = "_fsdp_compose_owner"
+# Attribute set on the user's original parameter once a unit replaced it, so that a later fully_shard on a module that
+# still uses it (a tie) can tell; it names the unit that took it.
+MOVED_ATTR = "_fsdp_compose_moved_to"
+
+
+@dataclass
+class ManagedParam:
+    """One parameter of a unit. ``owners`` lists every (module, attribute) holding it (ties inside the unit)."""
+
+    fqn: str
+    owners: list[tuple[nn.Module, str]]
+    placing: ParamPlacing
+    sharded: DTensor  # an nn.Parameter holding a DTensor
+    slot: int | None  # index into the unit's FlatLayout; None: kept whole on every rank
+    trainable: bool  # requires_grad as of the last trainability refresh
+    original: weakref.ref[nn.Parameter] | None = None  # the user's parameter this one replaced (for ties)
+    local: torch.Tensor | None = None  # the view into ``flat`` that ``sharded`` must hold; None: needs adopting
+    full: nn.Parameter | None = None  # the unsharded parameter used by forward/backward
+    full_data: torch.Tensor | None = None  # ``full.data``: writes through it do not bump ``full``'s version
+    gathered_version: int = field(default=-1)  # sharded._version when ``full`` was last filled
+    full_hooked: bool = False  # ``full`` carries the post-accumulate-grad hook that moves its gradients
+
+    def register(self, tensor: torch.Tensor) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = tensor  # type: ignore[assignment]
+
+    def registered(self) -> object:
+        """The parameter the owning module holds right now (``sharded``, ``full``, or one the user put there)."""
+        module, name = self.owners[0]
+        return module._parameters.get(name)
+
+
+def _make_sharded_param(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+    requires_grad: bool,
+) -> DTensor:
+    dtensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    param = nn.Parameter(dtensor, requires_grad=requires_grad)
+    install_copier(param)
+    return cast(DTensor, param)
+
+
+def install_copier(param: torch.Tensor) -> None:
+    # ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance first. torch's Tensor.__deepcopy__ takes a DTensor
+    # whose local tensor is a view at a non-zero offset (ours: a slice of the flat buffer) for a plain tensor with
+    # storage and fails, so each sharded parameter carries its own copier. It also keeps the mesh shared.
+    param.__dict__["__deepcopy__"] = _ShardedParamCopier(param)
+
+
+class _ShardedParamCopier:
+    """``copy.deepcopy`` of one sharded parameter: a DTensor parameter over a clone of its local shard (and grad)."""
+
+    def __init__(self, param: torch.Tensor) -> None:
+        # A strong reference (a cycle the GC collects): a weakref would make torch.utils.swap_tensors, which
+        # Module.to_empty uses on DTensor parameters, refuse the parameter.
+        self._param = param
+
+    def __call__(self, memo: dict[int, Any]) -> DTensor:
+        param = self._param
+        assert isinstance(param, DTensor)
+        new = _make_sharded_param(
+            param._local_tensor.detach().clone(),
+            param.device_mesh,
+            tuple(param.placements),
+            param.shape,
+            tuple(param.stride()),
+            param.requires_grad,
+        )
+        memo[id(param)] = new
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            new.grad = DTensor.from_local(
+                grad._local_tensor.clone(),
+                grad.device_mesh,
+                grad.placements,
+                run_check=False,
+                shape=grad.shape,
+                stride=grad.stride(),
+            )
+        owner = getattr(param, OWNER_ATTR, None)
+        if owner is not None:
+            setattr(new, OWNER_ATTR, owner)
+        return new
+
+
+class FlatShard:
+    """This rank's shards of one unit's parameters: the layout, the flat buffer and the DTensor parameters."""
+
+    def __init__(
+        self,
+        params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+        placings: list[ParamPlacing],
+        dp: DataParallelMesh,
+        devices: UnitDevices,
+        owner_name: str,
+        frozen_params: str,
+    ) -> None:
+        self.dp = dp
+        self.rank = dp.shard_rank
+        self.world_size = dp.shard_size
+        self.devices = devices
+        self.owner_name = owner_name
+        self.frozen_params = frozen_params
+        dtypes = [p.dtype for _, p, _ in params if p.ndim > 0] or [p.dtype for _, p, _ in params] or [torch.float32]
+        # The parameters' own dtype: sharded parameters, their gradients and the optimizer state stay in it.
+        self.dtype: torch.dtype = dtypes[0]
+        trainable = [p.requires_grad for _, p, _ in params]
+        whole = [self.kept_whole(len(pl.global_shape), t) for pl, t in zip(placings, trainable, strict=True)]
+        values = [(p.to_local() if isinstance(p, DTensor) else p).detach() for _, p, _ in params]
+        news, slots = self._build(placings, values, whole, trainable, are_full=True)
+        self.params = [
+            ManagedParam(fqn, owners, placing, new, slot, trainable=p.requires_grad, original=weakref.ref(p))
+            for (fqn, p, owners), placing, new, slot in zip(params, placings, news, slots, strict=True)
+        ]
+        for mp in self.params:
+            self._installed(mp)
+        for _, p, _ in params:
+            setattr(p, MOVED_ATTR, owner_name)
+
+    def kept_whole(self, ndim: int, trainable: bool) -> bool:
+        return ndim == 0 or (self.frozen_params == "replicate" and not trainable)
+
+    def _build(
+        self,
+        placings: list[ParamPlacing],
+        values: list[torch.Tensor],
+        whole: list[bool],
+        requires_grad: list[bool],
+        *,
+        are_full: bool,
+    ) -> tuple[list[DTensor], list[int | None]]:
+        """A new ``flat`` holding the sharded parameters' rows; new DTensor parameters over it (and whole ones).
+
+        ``values`` are the tensors FSDP shards (the TP-local tensor of a TP parameter) in full (``are_full``), or
+        this rank's shards of them. ``flat`` takes ``self.dtype``.
+        """
+        sharded = [i for i, w in enumerate(whole) if not w]
+        self.layout = FlatLayout.build([placings[i].local_shape for i in sharded], self.world_size)
+        on_meta = any(v.is_meta for v in values)
+        self.flat = self.devices.new_flat(self.layout.segment_numel, self.dtype, meta=on_meta)
+        slots: list[int | None] = [None] * len(values)
+        for position, i in enumerate(sharded):
+            slots[i] = position
+        news = []
+        for i, value in enumerate(values):
+            slot = slots[i]
+            placing = placings[i]
+            if slot is None:
+                local = self.devices.place(value, meta=on_meta)
+            else:
+                local = self.layout.shard_view(self.flat, slot, self.rank)
+                with torch.no_grad():
+                    local.copy_(local_rows(value, self.rank, self.world_size) if are_full else value)
+            placements = (
+                *self.dp.placements(whole=slot is None, split_factor=placing.split_factor),
+                *placing.tp_placements,
+            )
+            news.append(
+                _make_sharded_param(
+                    local, placing.spmd_mesh, placements, placing.global_shape, placing.global_stride, requires_grad[i]
+                )
+            )
+        return news, slots
+
+    def _installed(self, mp: ManagedParam) -> None:
+        setattr(mp.sharded, OWNER_ATTR, self.owner_name)
+        mp.local = mp.sharded._local_tensor
+        mp.full = mp.full_data = None
+        mp.register(mp.sharded)
+
+    def reinstall(self, values: list[torch.Tensor], *, are_full: bool) -> None:
+        """Rebuild ``flat`` from ``values`` and swap the new DTensors into the existing parameter objects.
+
+        ``torch.utils.swap_tensors`` keeps the ``nn.Parameter`` objects optimizers hold. A gradient survives when the
+        parameter keeps its placement; one whose placement changes (sharded <-> whole) is dropped.
+        """
+        whole = [self.kept_whole(len(mp.sharded.shape), mp.trainable) for mp in self.params]
+        news, slots = self._build(
+            [mp.placing for mp in self.params],
+            values,
+            whole,
+            [mp.sharded.requires_grad for mp in self.params],
+            are_full=are_full,
+        )
+        for mp, new, slot in zip(self.params, news, slots, strict=True):
+            grad = mp.sharded.grad if (slot is None) == (mp.slot is None) else None
+            torch.utils.swap_tensors(mp.sharded, new)
+            install_copier(mp.sharded)  # the swap moved the copier that pointed at ``new``
+            if grad is not None and grad.dtype != mp.sharded.dtype:
+                grad = grad.to(mp.sharded.dtype)
+            mp.sharded.grad = grad
+            mp.slot = slot
+            self._installed(mp)
+
+    # ------------------------------------------------------------------ keeping the views intact
+    def views_intact(self) -> bool:
+        """Cheap per-step check (identity only) that every parameter is still ours and still a view into ``flat``."""
+        for mp in self.params:
+            if mp.registered() is not mp.sharded or mp.sharded._local_tensor is not mp.local:
+                return False
+        return True
+
+    def check_materialized(self) -> None:
+        """Raise before any collective if a parameter is still on the meta device."""
+        for mp in self.params:
+            current = mp.registered()
+            if isinstance(current, torch.Tensor) and current.is_meta:
+                raise RuntimeError(
+                    f"parameter '{mp.fqn}' of the unit rooted at {self.owner_name} is still on the meta device at "
+                    "its first forward; materialize it first: module.to_empty(device=...) and then initialize "
+                    "(e.g. reset_parameters()) before calling the model"
+                )
+
+    def adopt(self) -> None:
+        """Make every parameter a view into a fresh ``flat`` again, keeping the ``nn.Parameter`` objects.
+
+        Picks up a parameter object the user registered in place of ours (it must be a DTensor of the same global
+        shape) and copies every current local shard into a new flat buffer (after ``to_empty``,
+        ``load_state_dict(assign=True)``, ``copy.deepcopy`` or ``model.to(dtype)``: the unit takes the dtype its
+        parameters have now). Raises before changing anything when the parameters cannot be adopted.
+        """
+        self.check_materialized()
+        currents: list[DTensor] = []
+        for mp in self.params:
+            current = mp.registered()
+            if current is not mp.sharded and (not isinstance(current, DTensor) or current.shape != mp.sharded.shape):
+                raise ValueError(
+                    f"parameter '{mp.fqn}' of the unit rooted at {self.owner_name} was replaced by "
+                    f"{type(current).__name__} of shape {tuple(getattr(current, 'shape', ()))}; a sharded "
+                    "module needs DTensor parameters of the same global shape (use load_state_dict without "
+                    "assign=True, or fc.load_full_state_dict)"
+                )
+            currents.append(current)  # type: ignore[arg-type]
+        dtypes = {c.dtype for c, mp in zip(currents, self.params, strict=True) if mp.slot is not None}
+        if len(dtypes) > 1:
+            listing = ", ".join(f"'{mp.fqn}': {c.dtype}" for c, mp in zip(currents, self.params, strict=True))
+            raise ValueError(
+                f"parameters of the unit rooted at {self.owner_name} now have different dtypes ({listing}); one "
+                "unit shares one flat buffer: cast the whole module (model.to(dtype)) rather than single parameters"
+            )
+        for mp, current in zip(self.params, currents, strict=True):
+            if current is not mp.sharded:
+                mp.sharded = current
+                mp.register(current)
+        if dtypes:
+            new_dtype = dtypes.pop()
+            if new_dtype != self.dtype:
+                logger.debug("%s: parameters were cast from %s to %s", self.owner_name, self.dtype, new_dtype)
+                self.dtype = new_dtype
+        self.reinstall([mp.sharded._local_tensor for mp in self.params], are_full=False)
+        logger.debug("re-adopted %d parameters of %s into a new flat buffer", len(self.params), self.owner_name)
+
+    def release(self, original: nn.Parameter) -> ManagedParam:
+        """Stop managing the parameter that replaced ``original`` (it moves to an enclosing unit: a tie)."""
+        index = next(i for i, mp in enumerate(self.params) if mp.original is not None and mp.original() is original)
+        released = self.params.pop(index)
+        self.reinstall([mp.sharded._local_tensor for mp in self.params], are_full=False)
+        return released
+
+    def copy_for(self, memo: dict[int, Any]) -> FlatShard:
+        """This flat shard for a ``copy.deepcopy`` of its modules: the copied parameters, adopted lazily.
+
+        The copied parameters are clones (not views into a flat buffer), so the next gather re-adopts them.
+        """
+        new = object.__new__(FlatShard)
+        new.__dict__.update(self.__dict__)
+        new.params = [
+            ManagedParam(
+                mp.fqn,
+                [(copy.deepcopy(module, memo), name) for module, name in mp.owners],
+                mp.placing,
+                copy.deepcopy(mp.sharded, memo),
+                mp.slot,
+                trainable=mp.trainable,
+            )
+            for mp in self.params
+        ]
+        new.flat = torch.zeros(0, dtype=self.dtype, device="meta")
+        return new

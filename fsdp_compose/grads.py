@@ -437,8 +437,8 @@ class UnitGradients:
                 dropped = True
             if dropped:
                 break
-        self._marks = {}
         if dropped:
+            self._marks = {}
             logger.info(
                 "%s: .grad was zeroed during gradient accumulation: held gradients dropped", self.spec.owner_name
             )

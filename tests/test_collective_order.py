@@ -1,0 +1,158 @@
+"""Every rank issues the same collectives in the same order on every process group, whatever its data did.
+
+A rank's sequence is recorded by wrapping the three collective call sites of the engine; the test then compares the
+sequences per process group across ranks, and trains against a single-process reference. The patterns: a unit
+whose output reaches the loss on every rank, on some ranks only, or on none; kept or resharded after forward;
+backward prefetch on or off; used twice in one forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_compose as fc
+import fsdp_compose.grads as grads_module
+import fsdp_compose.unit as unit_module
+from tests.dist_utils import local_batch, max_param_diff, mesh_1d
+
+Record = dict[str, list[tuple[str, int]]]
+
+
+@contextlib.contextmanager
+def _recording_collectives() -> Iterator[Record]:
+    """Record (kind, numel) per process group name for every collective the engine issues in this process."""
+    record: Record = {}
+    originals = (unit_module.all_gather_flat, grads_module.reduce_scatter_flat, grads_module.all_reduce)
+
+    def wrap(kind: str, fn: Any) -> Any:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            tensor, group = args[1] if kind != "all_reduce" else args[0], args[2] if kind != "all_reduce" else args[1]
+            record.setdefault(group.group_name, []).append((kind, tensor.numel()))
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    unit_module.all_gather_flat = wrap("all_gather", originals[0])  # type: ignore[assignment]
+    grads_module.reduce_scatter_flat = wrap("reduce_scatter", originals[1])  # type: ignore[assignment]
+    grads_module.all_reduce = wrap("all_reduce", originals[2])  # type: ignore[assignment]
+    try:
+        yield record
+    finally:
+        unit_module.all_gather_flat, grads_module.reduce_scatter_flat, grads_module.all_reduce = originals
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.lin(h))
+
+
+class _Net(nn.Module):
+    """input -> b0 -> (aux branch) -> b1 -> head; ``aux`` reaches the loss where ``use_aux`` says so."""
+
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.b0 = _Block(dim)
+        self.aux = nn.Linear(dim, 3)
+        self.b1 = _Block(dim)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor, twice: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.b0(self.inp(x))
+        aux = self.aux(h)
+        h = self.b1(h)
+        if twice:
+            h = self.b1(h)
+        return self.head(h), aux
+
+
+def _losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, twice: bool, use_aux: bool) -> torch.Tensor:
+    out, aux = model(x, twice)
+    loss = (out - y).pow(2).mean()
+    return loss + aux.pow(2).mean() if use_aux else loss
+
+
+def _uses_aux(rank: int, pattern: str) -> bool:
+    return pattern == "all" or (pattern == "even" and rank % 2 == 0)
+
+
+def _order(rank: int, ws: int, pattern: str, aux_keeps: bool, prefetch: bool, twice: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    reference = _Net()
+    model = _Net()
+    model.load_state_dict(reference.state_dict())
+    mesh = mesh_1d(ws)
+    for name in ("b0", "aux", "b1"):
+        keeps = name == "aux" and aux_keeps
+        fc.fully_shard(getattr(model, name), mesh=mesh, reshard_after_forward=not keeps)
+    fc.fully_shard(model, mesh=mesh)
+    if not prefetch:
+        for m in (model, model.b0, model.aux, model.b1):
+            fc.set_modules_to_backward_prefetch(m, [])
+            fc.set_modules_to_forward_prefetch(m, [])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with _recording_collectives() as record:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            inputs, targets = torch.randn(2 * ws, 6, generator=g), torch.randn(2 * ws, 2, generator=g)
+            ref_opt.zero_grad()
+            # the average over ranks of each rank's loss on its slice: what data parallelism computes
+            total = sum(
+                _losses(
+                    reference, local_batch(inputs, r, ws), local_batch(targets, r, ws), twice, _uses_aux(r, pattern)
+                )
+                for r in range(ws)
+            )
+            (total / ws).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
+            _losses(model, x, y, twice, _uses_aux(rank, pattern)).backward()
+            opt.step()
+    return {"record": record, "diff": max_param_diff(model, reference)}
+
+
+PATTERNS = [
+    (pattern, aux_keeps, prefetch)
+    for pattern in ("all", "even", "none")
+    for aux_keeps in (False, True)
+    for prefetch in (True, False)
+]
+
+
+@pytest.mark.parametrize(("pattern", "aux_keeps", "prefetch"), PATTERNS)
+def test_same_collectives_in_the_same_order_on_every_rank(
+    run_dist, pattern: str, aux_keeps: bool, prefetch: bool
+) -> None:
+    results = run_dist(2, _order, pattern, aux_keeps, prefetch, False)
+    first = results[0]["record"]
+    assert first, "nothing was recorded"
+    for result in results:
+        assert result["record"] == first
+        assert result["diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_order_holds_at_four_ranks_with_a_unit_used_twice(run_dist, prefetch: bool) -> None:
+    results = run_dist(4, _order, "even", True, prefetch, True)
+    for result in results:
+        assert result["record"] == results[0]["record"]
+        assert result["diff"] <= 1e-5
+
+
+def test_reduce_scatters_run_on_their_own_group(run_dist) -> None:
+    """All-gathers and reduce-scatters of one shard group never share a process group."""
+    results = run_dist(2, _order, "all", False, True, False)
+    kinds_per_group = {name: {kind for kind, _ in calls} for name, calls in results[0]["record"].items()}
+    assert sorted(map(sorted, kinds_per_group.values())) == [["all_gather"], ["reduce_scatter"]]

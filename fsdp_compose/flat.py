@@ -31,7 +31,15 @@ from .sharding import FlatLayout, local_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MOVED_ATTR", "OWNER_ATTR", "FlatShard", "ManagedParam"]
+__all__ = [
+    "MOVED_ATTR",
+    "OWNER_ATTR",
+    "FlatShard",
+    "ManagedParam",
+    "local_grad",
+    "make_full_param",
+    "run_post_accumulate_grad_hooks",
+]
 
 # Attribute set on every sharded parameter so a later fully_shard on a submodule can tell that an enclosing call
 # already owns it. It lives on the parameter instance (not in a registry) and names the owner for error messages.
@@ -319,3 +327,48 @@ class FlatShard:
         ]
         new.flat = torch.zeros(0, dtype=self.dtype, device="meta")
         return new
+
+
+def make_full_param(
+    local: torch.Tensor, placing: ParamPlacing, requires_grad: bool
+) -> tuple[nn.Parameter, torch.Tensor]:
+    """The parameter forward/backward use, and the tensor the all-gather writes into.
+
+    A plain parameter, or for a TP parameter a DTensor with its TP placements (TP modules expect DTensor weights).
+    Writes go through ``.data`` of the local tensor, which has its own version counter, so refilling the storage
+    after a reshard does not trip autograd's check on tensors saved in forward.
+    """
+    if placing.tp_mesh is None:
+        full = nn.Parameter(local, requires_grad=requires_grad)
+        return full, full.data
+    dtensor = DTensor.from_local(
+        local,
+        placing.tp_mesh,
+        placing.tp_placements,
+        run_check=False,
+        shape=placing.global_shape,
+        stride=placing.global_stride,
+    )
+    full = nn.Parameter(dtensor, requires_grad=requires_grad)
+    return full, cast(DTensor, full)._local_tensor.data
+
+
+def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """Hooks users registered on the sharded parameter (``register_post_accumulate_grad_hook``): autograd never
+    accumulates into it, so they are called here, once its gradient is final."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if hooks:
+        for hook in list(hooks.values()):
+            hook(param)
+
+
+def local_grad(mp: ManagedParam) -> torch.Tensor | None:
+    """The full parameter's gradient as the tensor FSDP shards: the TP-local gradient of a TP parameter."""
+    if mp.full is None or mp.full.grad is None:
+        return None
+    grad = mp.full.grad
+    if isinstance(grad, DTensor):
+        if tuple(grad.placements) != mp.placing.tp_placements:
+            grad = grad.redistribute(grad.device_mesh, mp.placing.tp_placements)
+        return grad.to_local()
+    return grad

@@ -37,10 +37,10 @@ from torch.profiler import record_function
 
 from .collectives import Work, all_reduce, reduce_scatter_flat
 from .extensions import ShardExtensions
-from .flat import ManagedParam
+from .flat import ManagedParam, local_grad, run_post_accumulate_grad_hooks
 from .meshes import DataParallelMesh
 from .offload import UnitDevices
-from .sharding import FlatLayout, chunk_rows, write_grad_into_segments
+from .sharding import FlatLayout, chunk_rows, divide_factors, write_grad_into_segments
 
 logger = logging.getLogger(__name__)
 
@@ -87,20 +87,6 @@ class _InFlight:
     buffer: torch.Tensor | None  # the reduce-scatter input, kept alive until the reduce-scatter completes
     missing_locally: bool
     synchronising: bool  # the gradients are final after this reduction (user hooks fire)
-
-
-def divide_factors(world_size: int, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
-    """(pre, post) divisors whose product is the divide factor (default: the data-parallel size, replicas included).
-
-    fp16 has a small range: the sum over ``world_size`` ranks of in-range values can overflow, so for fp16 every rank
-    pre-divides by ``world_size`` (the sum of the quotients is then an average, in range whenever the inputs are) and
-    the rest of the factor is applied after. Other dtypes have fp32's range: one post-division is the most accurate.
-    """
-    total = float(world_size if divide_factor is None else divide_factor)
-    if reduce_dtype != torch.float16 or world_size <= 1:
-        return 1.0, total
-    pre = float(world_size)
-    return pre, total / pre
 
 
 class UnitGradients:
@@ -197,7 +183,7 @@ class UnitGradients:
             return
         if self.state not in (GradState.IDLE, GradState.ACCUMULATING, GradState.STAGED):
             return  # a second use while this unit's reduction runs: stage() finishes that first, then flushes
-        grad = _local_grad(mp)
+        grad = local_grad(mp)
         if grad is None or id(mp) not in self.column:
             return
         self._write_one(mp, grad, self._pre_divisor())
@@ -233,7 +219,7 @@ class UnitGradients:
         """Move gradients the hook did not see into the buffer (all of them in a plain synced step)."""
         pre = self._pre_divisor()
         for mp in self.trainable:
-            grad = _local_grad(mp)
+            grad = local_grad(mp)
             if grad is not None:
                 self._write_one(mp, grad, pre)
 
@@ -375,7 +361,7 @@ class UnitGradients:
                 rows = self.layout.shard_view(output, self.slot[id(mp)], spec.dp.shard_rank)
             self._add_to_sharded_grad(mp, rows)
             if flight.synchronising:
-                _run_post_accumulate_grad_hooks(mp.sharded)
+                run_post_accumulate_grad_hooks(mp.sharded)
         if flight.synchronising and self._placeholders:
             # A parameter no rank had a gradient for keeps ``.grad = None`` (as in single-process training), also
             # where a held-gradient placeholder stood: otherwise optimizers would step it (weight decay, momentum).
@@ -461,24 +447,3 @@ class UnitGradients:
         self._marks = {}
         self._placeholders = {}
         self.state = GradState.IDLE
-
-
-def _run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
-    """Hooks users registered on the sharded parameter (``register_post_accumulate_grad_hook``): autograd never
-    accumulates into it, so they are called here, once its gradient is final."""
-    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-    if hooks:
-        for hook in list(hooks.values()):
-            hook(param)
-
-
-def _local_grad(mp: ManagedParam) -> torch.Tensor | None:
-    """The full parameter's gradient as the tensor FSDP shards: the TP-local gradient of a TP parameter."""
-    if mp.full is None or mp.full.grad is None:
-        return None
-    grad = mp.full.grad
-    if isinstance(grad, DTensor):
-        if tuple(grad.placements) != mp.placing.tp_placements:
-            grad = grad.redistribute(grad.device_mesh, mp.placing.tp_placements)
-        return grad.to_local()
-    return grad

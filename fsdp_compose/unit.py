@@ -30,12 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from .collectives import Work, all_gather_flat
 from .extensions import ShardExtensions
-from .flat import FlatShard, ManagedParam
+from .flat import FlatShard, ManagedParam, make_full_param
 from .grads import ReduceSpec, UnitGradients
 from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_scatter_group
 from .offload import UnitDevices
@@ -62,30 +61,6 @@ _ALLOWED: dict[UnitState, frozenset[UnitState]] = {
     UnitState.UNSHARDED: frozenset({UnitState.SHARDED, UnitState.GROUP_SHARDED}),
     UnitState.GROUP_SHARDED: frozenset({UnitState.GATHERING, UnitState.SHARDED}),
 }
-
-
-def _make_full_param(
-    local: torch.Tensor, placing: ParamPlacing, requires_grad: bool
-) -> tuple[nn.Parameter, torch.Tensor]:
-    """The parameter forward/backward use, and the tensor the all-gather writes into.
-
-    A plain parameter, or for a TP parameter a DTensor with its TP placements (TP modules expect DTensor weights).
-    Writes go through ``.data`` of the local tensor, which has its own version counter, so refilling the storage
-    after a reshard does not trip autograd's check on tensors saved in forward.
-    """
-    if placing.tp_mesh is None:
-        full = nn.Parameter(local, requires_grad=requires_grad)
-        return full, full.data
-    dtensor = DTensor.from_local(
-        local,
-        placing.tp_mesh,
-        placing.tp_placements,
-        run_check=False,
-        shape=placing.global_shape,
-        stride=placing.global_stride,
-    )
-    full = nn.Parameter(dtensor, requires_grad=requires_grad)
-    return full, cast(DTensor, full)._local_tensor.data
 
 
 @dataclass
@@ -322,7 +297,7 @@ class ShardedUnit:
                 local = mp.sharded._local_tensor  # whole: the full parameter aliases it, no copy
             else:
                 local = torch.empty(mp.placing.local_shape, dtype=dtype, device=self.device)
-            mp.full, mp.full_data = _make_full_param(local, mp.placing, mp.trainable)
+            mp.full, mp.full_data = make_full_param(local, mp.placing, mp.trainable)
             mp.full_hooked = False
             self._hook_full(mp)
         elif mp.full.requires_grad != mp.trainable:

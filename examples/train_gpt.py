@@ -13,6 +13,7 @@ tokens/s per step (step 0 includes initialization), then a summary.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -45,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--meta-init", action="store_true", help="build on the meta device, shard, then materialize")
     parser.add_argument("--hsdp", type=int, default=1, metavar="R", help="HSDP: R replicas of the sharded model")
     parser.add_argument("--tp", type=int, default=1, metavar="T", help="tensor parallel degree of each block's MLP")
+    parser.add_argument("--debug", action="store_true", help="fsdp_compose's debug log on stderr (docs/debugging.md)")
     return parser.parse_args()
 
 
@@ -74,6 +76,11 @@ def main() -> None:
 
 def train(args: argparse.Namespace, device_type: str) -> None:
     world_size = dist.get_world_size()
+    if args.debug:  # the library only logs; the application decides where to (here: stderr, every rank)
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[rank {dist.get_rank()}] %(name)s: %(message)s"))
+        logging.getLogger("fsdp_compose").addHandler(handler)
+        logging.getLogger("fsdp_compose").setLevel(logging.DEBUG)
     mesh, dp_mesh = build_meshes(device_type, world_size, args.hsdp, args.tp)
     dp_rank, dp_size = dp_coordinates(dp_mesh)
     if args.batch_size % dp_size:

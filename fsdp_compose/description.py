@@ -13,6 +13,7 @@ is gathered. ``describe_units`` returns the same information as data.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -201,12 +202,14 @@ def _describe_unit(state: ShardState, paths: dict[int, str], *, outermost: bool)
 
 
 def _reshard_after_forward(state: ShardState, *, outermost: bool) -> bool | int:
-    """The effective setting. Left at None, the root (the outermost unit) keeps its parameters and the others
-    reshard; before the first forward the state does not know it is the root yet, so decide it here."""
+    """The effective setting. Left at None, the root keeps its parameters and the others reshard. Before the first
+    forward no unit knows it is the root yet: the outermost unit under the described module is taken for it."""
     setting = getattr(state, "reshard_after_forward_setting", None)
-    if setting is None:
-        return state.reshard_after_forward if not outermost else False
-    return bool(setting) if isinstance(setting, bool) else int(setting)
+    if setting is not None:
+        return setting if isinstance(setting, bool) else int(setting)
+    if getattr(state, "root", None) is None and outermost:
+        return False
+    return state.reshard_after_forward
 
 
 def _gather_bytes(units: list[UnitDescription], states: list[ShardState]) -> list[UnitDescription]:
@@ -223,13 +226,7 @@ def _gather_bytes(units: list[UnitDescription], states: list[ShardState]) -> lis
         dist.all_gather_object(gathered, mine, group=group)
         for position, i in enumerate(indices):
             per_unit[i] = tuple(rank_bytes[position] for rank_bytes in gathered if rank_bytes is not None)
-    return [_with_bytes(unit, per_unit[i]) for i, unit in enumerate(units)]
-
-
-def _with_bytes(unit: UnitDescription, per_rank: tuple[int, ...]) -> UnitDescription:
-    fields = {name: getattr(unit, name) for name in UnitDescription.__dataclass_fields__}
-    fields["bytes_per_shard_rank"] = per_rank
-    return UnitDescription(**fields)
+    return [dataclasses.replace(unit, bytes_per_shard_rank=per_unit[i]) for i, unit in enumerate(units)]
 
 
 def _unmanaged(module: nn.Module, units: list[UnitDescription]) -> list[str]:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
 TORCH = "torch==2.13.0"
+# The five configurations of the README's benchmark table (docs/benchmarks.md, section "bench").
+BENCH_CONFIGS = ["fp32", "bf16", "frozen", "frozen_replicate", "no_reshard"]
 
 
 @nox.session
@@ -24,21 +29,33 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
+    """mypy on the package; then a user's strict script against the package as installed (PEP 561: py.typed)."""
     session.install(TORCH)
-    session.install("-e", ".", "mypy")
+    session.install(".", "mypy")  # a regular install, not editable: what users get
     session.run("mypy")
+    script = Path("tests/typing/user_script.py").resolve()
+    tmp = Path(session.create_tmp())
+    shutil.copy(script, tmp / script.name)
+    with session.chdir(tmp):  # outside the repository: fsdp_compose comes from site-packages
+        session.run("mypy", "--strict", script.name)
 
 
 @nox.session
 def docs(session: nox.Session) -> None:
     """The docs are markdown; check that every example they point to still runs."""
     session.install(TORCH)
-    session.install("-e", ".")
-    session.run("torchrun", "--standalone", "--nproc_per_node", "2", "examples/train_gpt.py", "--steps", "3")
+    session.install("-e", ".", "numpy")
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node", "2"]
+    session.run(*torchrun, "examples/train_gpt.py", "--steps", "3")
+    session.run(*torchrun, "examples/lora_finetune.py", "--steps", "3", "--unfreeze-at", "2")
+    session.run(*torchrun, "examples/tour.py")
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
+    """``nox -s bench``: the README's benchmark command (2 ranks, the five configurations); arguments after ``--``
+    replace it, e.g. ``nox -s bench -- --nproc 2 --configs fp32``."""
     session.install(TORCH)
     session.install("-e", ".", "numpy")
-    session.run("python", "benchmarks/run.py", *session.posargs)
+    args = session.posargs or ["--nproc", "2", "--configs", *BENCH_CONFIGS]
+    session.run("python", "benchmarks/run.py", *args)

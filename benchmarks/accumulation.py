@@ -35,7 +35,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -195,6 +195,12 @@ def measure_memory(name: str, args: AccumArgs, mesh: DeviceMesh) -> dict[str, An
 
 
 # ---------------------------------------------------------------------- one run
+def progress(message: str) -> None:
+    """A progress line on rank 0 (the run takes a minute or more; the report comes at the end)."""
+    if dist.get_rank() == 0:
+        print(f"[accumulation] {message}", flush=True)
+
+
 def worker(rank: int, args: AccumArgs, store_path: str, result_path: str) -> None:
     torch.set_num_threads(1)
     nproc = args.bench.nproc
@@ -205,6 +211,7 @@ def worker(rank: int, args: AccumArgs, store_path: str, result_path: str) -> Non
         batches = window_batches(args, 0)
         for impl in impls.values():
             run_window(impl, batches, step=False)  # also the untimed warm-up
+        progress(f"built {', '.join(ACCUM)}; gradients after one window compared")
         result: dict[str, Any] = {"grads": compare_grads(impls)}
         result["first_loss"] = {name: impl.last_loss for name, impl in impls.items()}
         for impl in impls.values():
@@ -218,11 +225,16 @@ def worker(rank: int, args: AccumArgs, store_path: str, result_path: str) -> Non
                 run_window(impl, batches)
                 dist.barrier()
                 times[name].append(time.perf_counter() - start)
+            if window % max(1, args.bench.steps // 4) == 0 or window == args.bench.steps:
+                progress(f"timed window {window}/{args.bench.steps}")
         result["times"] = {name: values[args.bench.warmup :] for name, values in times.items()}
         result["loss"] = {name: impl.last_loss for name, impl in impls.items()}
         del impls
         gc.collect()
-        result["memory"] = {name: measure_memory(name, args, mesh) for name in ACCUM}
+        result["memory"] = {}
+        for name in ACCUM:
+            result["memory"][name] = measure_memory(name, args, mesh)
+            progress(f"memory of {name} measured")
         if rank == 0:
             Path(result_path).write_text(json.dumps(result))
     finally:
@@ -282,8 +294,18 @@ def render(result: dict[str, Any], args: AccumArgs, command: str, elapsed: float
     return "\n\n".join(parts) + "\n"
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[AccumArgs, argparse.Namespace]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(
+    argv: list[str] | None = None,
+    *,
+    description: str | None = __doc__,
+    parents: Sequence[argparse.ArgumentParser] = (),
+    write_flags: bool = True,
+) -> tuple[AccumArgs, argparse.Namespace]:
+    """This script's arguments; another script reusing them passes its own ``description`` and extra options
+    (``parents``), and ``write_flags=False`` when it writes no report section, so that its ``--help`` fits it."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter, parents=list(parents)
+    )
     parser.add_argument("--nproc", type=int, default=2, help="gloo ranks to spawn")
     parser.add_argument("--micro", type=int, default=4, help="micro-batches per window (the last one synchronises)")
     parser.add_argument("--steps", type=int, default=12, help="timed rounds (each runs every implementation's window)")
@@ -295,14 +317,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[AccumArgs, argparse.Names
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--write", metavar="PATH", help="replace the --section of this markdown file")
-    parser.add_argument("--section", default="accum", help="marker name: <!-- NAME:start --> ... <!-- NAME:end -->")
+    if write_flags:
+        parser.add_argument("--write", metavar="PATH", help="replace the --section of this markdown file")
+        parser.add_argument("--section", default="accum", help="marker: <!-- NAME:start --> ... <!-- NAME:end -->")
     ns = parser.parse_args(argv)
     if ns.steps <= ns.warmup:
         parser.error("--steps must be larger than --warmup")
     if ns.micro < 2:
         parser.error("--micro must be at least 2 (no-sync micro-batches, then the synchronising one)")
-    fields = {k: v for k, v in vars(ns).items() if k not in ("write", "section", "micro")}
+    bench_fields = ("nproc", "steps", "warmup", "dim", "layers", "heads", "seq", "batch", "vocab", "seed")
+    fields = {k: getattr(ns, k) for k in bench_fields}
     bench = BenchArgs(configs=("bf16",), memory=True, **fields)
     return AccumArgs(bench, ns.micro), ns
 

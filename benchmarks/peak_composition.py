@@ -259,14 +259,12 @@ def worker(rank: int, args: AccumArgs, store_path: str, out: str, names: list[st
 
 
 def main() -> None:
-    argv = sys.argv[1:]
     extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--rank", type=int, default=0)
-    extra.add_argument("--impls", nargs="+", default=["fc_unsharded", "torch_fsdp2"])
+    extra.add_argument("--rank", type=int, default=0, help="the rank whose live set is printed")
+    extra.add_argument("--impls", nargs="+", default=["fc_unsharded", "torch_fsdp2"], help="implementations to run")
     extra.add_argument("--timeline", action="store_true", help="print the live MiB after every op of the sync phase")
     extra.add_argument("--json", help="dump the raw results here")
-    ns, rest = extra.parse_known_args(argv)
-    args, _ = parse_args(rest)
+    args, ns = parse_args(description=__doc__, parents=[extra], write_flags=False)
     with tempfile.TemporaryDirectory() as tmp:
         store, out = str(Path(tmp) / "store"), str(Path(tmp) / "out.json")
         mp.spawn(worker, args=(args, store, out, ns.impls, ns.rank), nprocs=args.bench.nproc, join=True)

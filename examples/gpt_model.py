@@ -92,6 +92,18 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """Greedy decoding: append ``new_tokens`` tokens to ``idx`` (batch, length).
+
+        It calls ``self.forward`` directly, not ``self(...)``: a sharded model needs
+        ``fc.register_forward_method(model, "generate")`` so that its root unit is gathered around this method.
+        """
+        for _ in range(new_tokens):
+            logits = self.forward(idx[:, -self.cfg.seq_len :])
+            idx = torch.cat([idx, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+        return idx
+
 
 def init_weights(model: nn.Module) -> None:
     """Re-run every submodule's own initializer (after ``to_empty`` when the model was built on the meta device)."""

@@ -17,6 +17,11 @@ def run_distributed(train: Callable[[str], None]) -> None:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     train("cuda" if use_cuda else "cpu")
+    tear_down()
+
+
+def tear_down() -> None:
+    """Destroy the default process group; on gloo, exit right away (see below)."""
     on_gloo = dist.get_backend() == "gloo"
     dist.destroy_process_group()
     if on_gloo:

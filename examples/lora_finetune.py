@@ -6,7 +6,9 @@
 The backbone's weights are frozen; only the adapters (and, after --unfreeze-at steps, the final LayerNorm) train.
 fsdp_compose notices the requires_grad change at the next forward by itself (no refresh call, no re-wrapping).
 With ``--frozen-params replicate`` the frozen weights stay whole on every rank and are never communicated: more
-memory, far fewer bytes on the wire. Rank 0 prints step, loss, trainable parameters and tokens/s.
+memory, far fewer bytes on the wire. Rank 0 prints a header (world size, mesh and ``fc.describe``'s layout of the
+sharded units), then step, loss, trainable parameters and tokens/s per step (step 0 includes initialization), then a
+summary.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
 from examples.launch import run_distributed
+from examples.reporting import StepLog, print_header
 
 
 class LoRALinear(nn.Module):
@@ -87,7 +90,13 @@ def train(args: argparse.Namespace, device_type: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
     local_batch = args.batch_size // world_size
-    tokens_per_step = args.batch_size * args.seq_len
+    settings = (
+        f"GPT dim {cfg.dim}, {cfg.n_layers} layers, LoRA rank {args.lora_rank} on qkv, proj and fc; "
+        f"frozen_params={args.frozen_params!r}; final LayerNorm unfreezes at step {args.unfreeze_at}; "
+        f"global batch {args.batch_size}; AdamW lr {args.lr}"
+    )
+    print_header(model, mesh, mesh, settings)
+    log = StepLog(tokens_per_step=args.batch_size * args.seq_len)
     for step in range(args.steps):
         if step == args.unfreeze_at:
             model.ln_f.requires_grad_(True)
@@ -102,13 +111,9 @@ def train(args: argparse.Namespace, device_type: str) -> None:
         loss_sum = loss.detach().clone()
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
         elapsed = time.perf_counter() - start
-        if rank == 0:
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            print(
-                f"step {step:3d}  loss {loss_sum.item() / world_size:.4f}  trainable {trainable:,}  "
-                f"tokens/s {tokens_per_step / elapsed:,.0f}",
-                flush=True,
-            )
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.step(step, loss_sum.item() / world_size, elapsed, extra=f"trainable {trainable:,}")
+    log.summary()
 
 
 if __name__ == "__main__":

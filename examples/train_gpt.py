@@ -6,12 +6,14 @@
     torchrun --standalone --nproc_per_node 8 examples/train_gpt.py --hsdp 2 --tp 2    # 3-D: 2 x 2 x 2
 
 Runs on CPU (gloo) by default and on GPUs (NCCL) when CUDA is available; data is synthetic, so nothing is downloaded.
-Rank 0 prints step, loss and tokens/s.
+Rank 0 prints a header (world size, meshes and ``fc.describe``'s layout of the sharded units), then step, loss and
+tokens/s per step (step 0 includes initialization), then a summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig, init_weights, loss_fn, synthetic_batch
 from examples.launch import run_distributed
+from examples.reporting import StepLog, print_header
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--meta-init", action="store_true", help="build on the meta device, shard, then materialize")
     parser.add_argument("--hsdp", type=int, default=1, metavar="R", help="HSDP: R replicas of the sharded model")
     parser.add_argument("--tp", type=int, default=1, metavar="T", help="tensor parallel degree of each block's MLP")
+    parser.add_argument("--debug", action="store_true", help="fsdp_compose's debug log on stderr (docs/debugging.md)")
     return parser.parse_args()
 
 
@@ -71,7 +75,12 @@ def main() -> None:
 
 
 def train(args: argparse.Namespace, device_type: str) -> None:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world_size = dist.get_world_size()
+    if args.debug:  # the library only logs; the application decides where to (here: stderr, every rank)
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[rank {dist.get_rank()}] %(name)s: %(message)s"))
+        logging.getLogger("fsdp_compose").addHandler(handler)
+        logging.getLogger("fsdp_compose").setLevel(logging.DEBUG)
     mesh, dp_mesh = build_meshes(device_type, world_size, args.hsdp, args.tp)
     dp_rank, dp_size = dp_coordinates(dp_mesh)
     if args.batch_size % dp_size:
@@ -104,7 +113,12 @@ def train(args: argparse.Namespace, device_type: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
     local_batch = args.batch_size // dp_size
-    tokens_per_step = args.batch_size * args.seq_len
+    settings = (
+        f"GPT dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, seq {cfg.seq_len}, vocab {cfg.vocab_size}; "
+        f"global batch {args.batch_size} ({local_batch} per data-parallel rank); AdamW lr {args.lr}"
+    )
+    print_header(model, mesh, dp_mesh, settings)
+    log = StepLog(tokens_per_step=args.batch_size * args.seq_len)
     for step in range(args.steps):
         inputs, targets = synthetic_batch(cfg, args.batch_size, step)
         inputs = inputs[dp_rank * local_batch : (dp_rank + 1) * local_batch].to(mesh.device_type)
@@ -117,9 +131,8 @@ def train(args: argparse.Namespace, device_type: str) -> None:
         loss_sum = loss.detach().clone()
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)  # TP peers hold equal losses: the mean is unchanged
         elapsed = time.perf_counter() - start
-        if rank == 0:
-            mean_loss = loss_sum.item() / world_size
-            print(f"step {step:3d}  loss {mean_loss:.4f}  tokens/s {tokens_per_step / elapsed:,.0f}", flush=True)
+        log.step(step, loss_sum.item() / world_size, elapsed)
+    log.summary()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from .api import (
     unshard,
 )
 from .clip import clip_grad_norm_
+from .description import ParamDescription, UnitDescription, describe, describe_units, print_description
 from .extensions import CastAllGather, Int8AllGather, ShardExtensions
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state_dict import full_state_dict, load_full_state_dict
@@ -39,15 +40,20 @@ __all__ = [
     "Int8AllGather",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ParamDescription",
     "ShardExtensions",
+    "UnitDescription",
     "UnshardHandle",
     "clip_grad_norm_",
+    "describe",
+    "describe_units",
     "full_state_dict",
     "fully_shard",
     "get_state",
     "is_fully_sharded",
     "load_full_state_dict",
     "no_sync",
+    "print_description",
     "refresh_trainable",
     "register_forward_method",
     "reset_step",

@@ -177,7 +177,7 @@ def set_modules_to_backward_prefetch(module: nn.Module, modules: Iterable[nn.Mod
 def set_optimizer_in_backward(
     module: nn.Module, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *, recurse: bool = True
 ) -> list[torch.optim.Optimizer]:
-    """Step each unit's parameters during backward, as soon as its gradients are reduced (seed 004, #98667).
+    """Step each unit's parameters during backward, as soon as its gradients are reduced (pytorch/pytorch#98667).
 
     ``optimizer`` builds an optimizer from a list of parameters (e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``);
     one is built per unit and returned (for learning-rate schedules and checkpoints). After a unit's reduce-scatter

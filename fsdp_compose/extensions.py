@@ -2,7 +2,7 @@
 
 There is no registry and no global flag: the ``ShardExtensions`` object is stored on that call's unit, so two models
 in one process — one with extensions, one without, one 1-D and one 2-D — never see each other's hooks (FSDP1 once
-kept its 2-D extension in a module-level global: pytorch #113237).
+kept its 2-D extension in a module-level global: pytorch/pytorch#113237).
 
 - ``all_gather``: a transform of the unit's local flat shard before the all-gather (``encode``) and of the gathered
   payload after it (``decode``): compressed or quantized all-gathers. ``Int8AllGather`` and ``CastAllGather`` ship

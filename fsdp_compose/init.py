@@ -6,7 +6,8 @@ line marked "Everything is validated".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -23,9 +24,13 @@ from .policies import MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, ShardState, states_under
 from .unit import ShardedUnit
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["fully_shard", "get_state", "post_forward_group_for", "reshard_after_forward_setting"]
 
-ModuleOrList = TypeVar("ModuleOrList", nn.Module, list[nn.Module])
+# The argument's own type comes back (``fully_shard(model)`` is typed as the model's class, a list of Linear as that
+# list); at run time a sequence must be a list or tuple.
+ModuleOrList = TypeVar("ModuleOrList", bound="nn.Module | Sequence[nn.Module]")
 
 _ParamEntry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
 
@@ -106,7 +111,27 @@ def fully_shard(
     for m in modules:
         m.__dict__[STATE_ATTR] = state
     state.register_hooks()
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "fully_shard on %s: %d parameters (%d kept whole), mesh %s %s, %s, reshard_after_forward=%s%s",
+            owner_name,
+            len(unit.params),
+            sum(mp.slot is None for mp in unit.params),
+            tuple(mesh.shape),
+            mesh.mesh_dim_names,
+            _precision_text(mp_policy),
+            "default" if reshard_after_forward is None else reshard_after_forward,
+            f", {len(lifts)} tied parameter(s) lifted from submodules" if lifts else "",
+        )
     return module
+
+
+def _precision_text(policy: MixedPrecisionPolicy) -> str:
+    if policy == MixedPrecisionPolicy():
+        return "no mixed precision"
+    fields = ("param_dtype", "reduce_dtype", "output_dtype")
+    dtypes = ", ".join(f"{f}={str(getattr(policy, f)).removeprefix('torch.')}" for f in fields)
+    return f"{dtypes}, cast_forward_inputs={policy.cast_forward_inputs}"
 
 
 # ---------------------------------------------------------------------- validation

@@ -111,7 +111,7 @@ def _frozen_blocks_reshard_layer_by_layer(rank: int, ws: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("ws", [2, 4])
 def test_frozen_blocks_reshard_as_soon_as_their_input_grads_exist(run_dist, ws: int) -> None:
-    """Seed 000: a frozen unit is gathered for backward (dL/dx needs W) and freed right after, layer by layer."""
+    """A frozen unit is gathered for backward (dL/dx needs W) and freed right after, layer by layer."""
     for r in run_dist(ws, _frozen_blocks_reshard_layer_by_layer):
         assert r["diff"] <= 1e-5
         assert all(g is None for g in r["frozen_grads"])

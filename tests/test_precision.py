@@ -164,7 +164,8 @@ def _sync_reduces_the_accumulation_buffer_in_place(rank: int, ws: int) -> tuple[
 
 @pytest.mark.parametrize("ws", [2, 4])
 def test_synced_micro_batch_reduce_scatters_the_accumulation_buffer_in_place(run_dist, ws: int) -> None:
-    """The seed-002 spike: no second full-size buffer, no concat, no copy at the synchronising micro-batch."""
+    """No second full-size buffer, no concat, no copy at the synchronising micro-batch (the spike of
+    facebookresearch/fairscale#1186)."""
     for in_place, second_buffers in run_dist(ws, _sync_reduces_the_accumulation_buffer_in_place):
         assert in_place
         assert second_buffers == []

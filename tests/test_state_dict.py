@@ -1,5 +1,5 @@
 """State dicts and checkpoints: full (gathered) state dicts, loading one held by rank 0, DCP resharding N -> M with
-optimizer state, and two differently composed models in one process (seed #113237)."""
+optimizer state, and two differently composed models in one process (pytorch/pytorch#113237)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_dcp_reshards_and_training_continues_identically(run_dist, tmp_path, sav
     assert max(run_dist(load_ws, _dcp_load_and_continue, str(tmp_path / "ckpt"))) <= 1e-5
 
 
-# ---------------------------------------------------------------------------------- two models, seed #113237
+# ---------------------------------------------------------------------------------- two models, pytorch/pytorch#113237
 class _CountingReduceScatter:
     def __init__(self) -> None:
         self.calls = 0

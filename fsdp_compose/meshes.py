@@ -46,7 +46,7 @@ def check_dp_mesh(mesh: DeviceMesh, owner: str) -> None:
         )
     if mesh.device_type == "meta":
         raise ValueError(
-            f"fully_shard on {owner} got a mesh on the 'meta' device; the mesh says where the unit computes and "
+            f"fully_shard on {owner} got a 'meta' mesh; the mesh says where the unit computes and "
             'communicates: build it on a real device (e.g. init_device_mesh("cuda", (world_size,))). To create '
             "parameters without memory, build the module under torch.device('meta') instead"
         )

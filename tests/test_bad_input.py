@@ -140,16 +140,7 @@ SHARD_CASES: dict[str, ShardCase] = {
         r"ignored_params of fully_shard on GPT must be an nn.Parameter or an iterable of them.*got str",
         lambda: _shard(m, ws, ignored_params="head.weight"),
     ),
-    "mesh_without_this_rank": lambda m, rank, ws: (
-        (
-            ValueError,
-            rf"fully_shard on GPT: this rank \({rank}\) is not part of the mesh \(ranks "
-            + re.escape(str(list(range(ws // 2)))),
-            lambda: fc.fully_shard(m, mesh=_first_half(ws)),
-        )
-        if rank >= ws // 2
-        else None
-    ),
+    "mesh_without_this_rank": lambda m, rank, ws: _outside_first_half(m, rank, ws),
     "meta_mesh": lambda m, rank, ws: (
         ValueError,
         r"fully_shard on GPT got a 'meta' mesh; .*torch.device\('meta'\)",
@@ -171,6 +162,18 @@ SHARD_CASES: dict[str, ShardCase] = {
         lambda: _shard(m, ws, auto_refresh_trainable="yes"),
     ),
 }
+
+
+def _outside_first_half(model: GPT, rank: int, ws: int) -> tuple[type[Exception], str, Callable[[], object]] | None:
+    half = _first_half(ws)  # on every rank: creating its process group is collective over the default group
+    if rank < ws // 2:
+        return None
+    return (
+        ValueError,
+        rf"fully_shard on GPT: this rank \({rank}\) is not part of the mesh \(ranks "
+        + re.escape(str(list(range(ws // 2)))),
+        lambda: fc.fully_shard(model, mesh=half),
+    )
 
 
 def _shard_on(model: GPT, mesh: DeviceMesh) -> None:

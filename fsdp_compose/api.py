@@ -6,6 +6,8 @@ FSDP2 puts these on a swapped class; here they are plain functions taking the mo
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -45,19 +47,35 @@ def is_fully_sharded(module: nn.Module) -> bool:
     return get_state(module) is not None
 
 
-def _require_state(module: nn.Module) -> ShardState:
+def _check_bool(value: object, name: str, function: str) -> None:
+    """Flags must be real bools: a string such as "no" is truthy and would silently mean True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"fc.{function}: {name} must be True or False, got {value!r}")
+
+
+def _check_module(module: object, function: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fc.{function} takes a sharded nn.Module, got {type(module).__name__}")
+
+
+def _require_state(module: nn.Module, function: str) -> ShardState:
+    _check_module(module, function)
     state = get_state(module)
     if state is None:
-        raise ValueError(f"this {type(module).__name__} is not sharded; call fc.fully_shard on it first")
+        raise ValueError(f"fc.{function}: this {type(module).__name__} is not sharded; call fc.fully_shard on it first")
     return state
 
 
-def _states(module: nn.Module, recurse: bool) -> list[ShardState]:
+def _states(module: nn.Module, recurse: bool, function: str) -> list[ShardState]:
+    _check_module(module, function)
+    _check_bool(recurse, "recurse", function)
     if not recurse:
-        return [_require_state(module)]
+        return [_require_state(module, function)]
     states = states_under(module)
     if not states:
-        raise ValueError(f"no module under this {type(module).__name__} is sharded; call fc.fully_shard first")
+        raise ValueError(
+            f"fc.{function}: no module under this {type(module).__name__} is sharded; call fc.fully_shard first"
+        )
     return states
 
 
@@ -78,7 +96,8 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
     The gathered parameters are used by the module's next forward (they are not discarded at the start of a step);
     they are freed after it per ``reshard_after_forward``, or with ``fc.reshard``.
     """
-    state = _require_state(module)
+    _check_bool(async_op, "async_op", "unshard")
+    state = _require_state(module, "unshard")
     state.start_gather(async_op=async_op)
     state.unit.explicit = True
     handle = UnshardHandle(state)
@@ -90,37 +109,39 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
 
 def reshard(module: nn.Module) -> None:
     """Free the module's own full parameters and register the sharded ones again (no communication)."""
-    _require_state(module).unit.reshard()
+    _require_state(module, "reshard").unit.reshard()
 
 
 def reset_step(module: nn.Module) -> None:
-    """Forget the current step of the root ``module``: complete the collectives it issued, drop the gradients it
+    """Forget the current step of the root ``module`` (or of the root above it): complete the collectives it issued, drop the gradients it
     holds but has not delivered to ``.grad`` yet (no-sync accumulation included), reshard every unit.
 
     Not needed after an exception: the next forward of the root does the same for a step that did not finish (the
     gradients of an interrupted accumulation window are dropped, since the failed micro-batch's are mixed in).
     Every rank must call it at the same point.
     """
-    state = _require_state(module)
-    if state.ctx is None:
-        for sub in states_under(module):
-            sub.unit.grads.discard()
-            sub.unit.reshard()
-            sub.reset_step()
+    state = _require_state(module, "reset_step")
+    root = state.root
+    if root is not None and root.ctx is not None:
+        root.ctx.reset()  # the step belongs to the root: reset all of it, whichever of its modules was passed
         return
-    state.ctx.reset()
+    for sub in states_under(module):  # never ran a forward: nothing but held state to drop
+        sub.unit.grads.discard()
+        sub.unit.reshard()
+        sub.reset_step()
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_sync: bool, *, recurse: bool = True) -> None:
     """When False, backward keeps full gradients and accumulates them; the next synced backward reduces them."""
-    for state in _states(module, recurse):
+    _check_bool(requires_sync, "requires_sync", "set_requires_gradient_sync")
+    for state in _states(module, recurse, "set_requires_gradient_sync"):
         state.requires_gradient_sync = requires_sync
 
 
 @contextlib.contextmanager
 def no_sync(module: nn.Module) -> Iterator[None]:
     """Context manager for gradient accumulation: no reduction inside, previous settings restored after."""
-    states = _states(module, True)
+    states = _states(module, True, "no_sync")
     previous = [state.requires_gradient_sync for state in states]
     for state in states:
         state.requires_gradient_sync = False
@@ -137,7 +158,7 @@ def set_reshard_after_forward(module: nn.Module, value: bool | int, *, recurse: 
 
     With an int, every rank must make the same call (it may create the process groups of size ``k``).
     """
-    states = _states(module, recurse)
+    states = _states(module, recurse, "set_reshard_after_forward")
     settings = [
         reshard_after_forward_setting(value, state.unit.dp.mesh, state.unit.owner_name, allow_none=False)
         for state in states
@@ -153,12 +174,22 @@ def set_reshard_after_backward(module: nn.Module, value: bool, *, recurse: bool 
     A unit kept unsharded across an optimizer step is gathered again at its next forward (the step is detected from
     the sharded parameters' version counters), so the values stay right.
     """
-    for state in _states(module, recurse):
+    _check_bool(value, "value", "set_reshard_after_backward")
+    for state in _states(module, recurse, "set_reshard_after_backward"):
         state.reshard_after_backward = value
 
 
-def _state_list(modules: Iterable[nn.Module]) -> list[ShardState]:
-    return [_require_state(m) for m in modules]
+def _state_list(modules: Iterable[nn.Module], function: str) -> list[ShardState]:
+    if isinstance(modules, (str, bytes)) or not isinstance(modules, Iterable):
+        raise TypeError(
+            f"fc.{function} takes a list of sharded modules, got {type(modules).__name__}; wrap a single module "
+            "in a list"
+        )
+    listed = list(modules)
+    for index, m in enumerate(listed):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fc.{function}: entry {index} of modules is a {type(m).__name__}, not an nn.Module")
+    return [_require_state(m, function) for m in listed]
 
 
 def set_modules_to_forward_prefetch(module: nn.Module, modules: Iterable[nn.Module]) -> None:
@@ -166,12 +197,14 @@ def set_modules_to_forward_prefetch(module: nn.Module, modules: Iterable[nn.Modu
 
     Every rank must configure the same prefetches. An empty list turns forward prefetch off for ``module``.
     """
-    _require_state(module).forward_prefetch = _state_list(modules)
+    state = _require_state(module, "set_modules_to_forward_prefetch")
+    state.forward_prefetch = _state_list(modules, "set_modules_to_forward_prefetch")
 
 
 def set_modules_to_backward_prefetch(module: nn.Module, modules: Iterable[nn.Module]) -> None:
     """At ``module``'s backward, start the all-gathers of ``modules`` (replacing the implicit previous-unit one)."""
-    _require_state(module).backward_prefetch = _state_list(modules)
+    state = _require_state(module, "set_modules_to_backward_prefetch")
+    state.backward_prefetch = _state_list(modules, "set_modules_to_backward_prefetch")
 
 
 def set_optimizer_in_backward(
@@ -187,8 +220,13 @@ def set_optimizer_in_backward(
     exist), and a unit used twice in one backward is not supported (its second use would see updated weights).
     Per instance: a ``copy.deepcopy`` of the module does not carry the optimizers.
     """
+    if not callable(optimizer):
+        raise TypeError(
+            "fc.set_optimizer_in_backward: optimizer must build an optimizer from a list of parameters (e.g. "
+            f"lambda ps: torch.optim.AdamW(ps, lr=1e-3)), got {type(optimizer).__name__}"
+        )
     built = []
-    for state in _states(module, recurse):
+    for state in _states(module, recurse, "set_optimizer_in_backward"):
         params = [mp.sharded for mp in state.unit.params]
         if not params:
             continue
@@ -211,9 +249,17 @@ class _StepInBackward:
 
 def set_gradient_divide_factor(module: nn.Module, factor: float, *, recurse: bool = True) -> None:
     """Divide reduced gradients by ``factor`` instead of the data-parallel size (1.0 gives the plain sum)."""
-    if not factor > 0:
-        raise ValueError(f"gradient divide factor must be positive, got {factor}")
-    for state in _states(module, recurse):
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise TypeError(
+            f"fc.set_gradient_divide_factor: factor must be a real number (e.g. 2.0), got {factor!r} "
+            f"({type(factor).__name__})"
+        )
+    if not math.isfinite(factor) or not factor > 0:
+        raise ValueError(
+            f"fc.set_gradient_divide_factor: gradient divide factor must be positive and finite, got {factor}; "
+            "1.0 gives the plain sum over ranks"
+        )
+    for state in _states(module, recurse, "set_gradient_divide_factor"):
         state.unit.grads.divide_factor = float(factor)
 
 
@@ -223,7 +269,8 @@ def set_requires_all_reduce(module: nn.Module, requires_all_reduce: bool, *, rec
     With sharded accumulation, skip it on all micro-batches but the last: the reduce-scattered shards add up locally
     and the last micro-batch all-reduces their sum once.
     """
-    for state in _states(module, recurse):
+    _check_bool(requires_all_reduce, "requires_all_reduce", "set_requires_all_reduce")
+    for state in _states(module, recurse, "set_requires_all_reduce"):
         state.requires_all_reduce = requires_all_reduce
 
 
@@ -238,12 +285,14 @@ def set_gradient_accumulation(module: nn.Module, mode: GradientAccumulation, *, 
     """
     if mode not in ("unsharded", "sharded"):
         raise ValueError(f'gradient accumulation mode must be "unsharded" or "sharded", got {mode!r}')
-    for state in _states(module, recurse):
+    states = _states(module, recurse, "set_gradient_accumulation")
+    for state in states:  # every unit is checked before any changes
         if state.unit.grads.has_pending() and state.gradient_accumulation != mode:
             raise RuntimeError(
                 f"cannot switch gradient accumulation of {state.unit.owner_name} to {mode!r} while no-sync "
                 "gradients are pending; switch after a synced backward"
             )
+    for state in states:
         state.gradient_accumulation = mode
 
 
@@ -252,7 +301,8 @@ def set_full_precision_in_eval(module: nn.Module, enabled: bool = True, *, recur
 
     Per instance: other sharded modules in the process keep their mixed-precision policy in eval.
     """
-    for state in _states(module, recurse):
+    _check_bool(enabled, "enabled", "set_full_precision_in_eval")
+    for state in _states(module, recurse, "set_full_precision_in_eval"):
         state.full_precision_in_eval = enabled
 
 
@@ -265,7 +315,7 @@ def refresh_trainable(module: nn.Module) -> None:
     change; under ``frozen_params="replicate"`` a change that moves a parameter between whole and sharded all-gathers
     it once.
     """
-    for state in _states(module, True):
+    for state in _states(module, True, "refresh_trainable"):
         state.unit.refresh_trainable()
 
 
@@ -277,7 +327,7 @@ class _UnshardingMethod:
         self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        state = _require_state(self.module)
+        state = _require_state(self.module, self.name)
         method = getattr(type(self.module), self.name)
         hooked = state.pre_forward(self.module, args, kwargs)
         if hooked is not None:
@@ -293,7 +343,9 @@ class _UnshardingMethod:
 
 def register_forward_method(module: nn.Module, name: str) -> None:
     """Unshard around ``module.<name>(...)`` as around forward (e.g. ``generate``); bound to this instance only."""
-    _require_state(module)
+    _require_state(module, "register_forward_method")
+    if not isinstance(name, str):
+        raise TypeError(f"fc.register_forward_method: name must be a method name (str), got {type(name).__name__}")
     if not callable(getattr(type(module), name, None)):
         raise ValueError(f"{type(module).__name__} has no method {name!r} to register")
     if isinstance(module.__dict__.get(name), _UnshardingMethod):

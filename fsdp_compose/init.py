@@ -7,14 +7,14 @@ line marked "Everything is validated".
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .extensions import ShardExtensions
 from .flat import MOVED_ATTR, OWNER_ATTR
@@ -37,6 +37,8 @@ _ParamEntry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
 
 def get_state(module: nn.Module) -> ShardState | None:
     """The state ``fully_shard`` attached to this module instance, or None."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
     return module.__dict__.get(STATE_ATTR)
 
 
@@ -48,7 +50,7 @@ def fully_shard(
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
-    ignored_params: set[nn.Parameter] | None = None,
+    ignored_params: nn.Parameter | Iterable[nn.Parameter] | None = None,
     extensions: ShardExtensions | None = None,
     frozen_params: Literal["shard", "replicate"] = "shard",
     auto_refresh_trainable: bool = True,
@@ -63,8 +65,8 @@ def fully_shard(
     Returns the same object(s) it was given.
     """
     modules = _as_module_list(module)
-    mesh = _resolve_mesh(mesh)
     owner_name = _describe(modules)
+    mesh = _resolve_mesh(mesh, owner_name)
     reshard_after_forward = reshard_after_forward_setting(reshard_after_forward, mesh, owner_name)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be an fc.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
@@ -72,7 +74,17 @@ def fully_shard(
         raise TypeError(f"extensions must be an fc.ShardExtensions, got {type(extensions).__name__}")
     if frozen_params not in ("shard", "replicate"):
         raise ValueError(f'frozen_params must be "shard" or "replicate", got {frozen_params!r}')
-    ignored = _ignored_ids(ignored_params)
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"shard_placement_fn of fully_shard on {owner_name} must be a function of a parameter (or None), got "
+            f"{type(shard_placement_fn).__name__}"
+        )
+    if not isinstance(auto_refresh_trainable, bool):
+        raise TypeError(
+            f"auto_refresh_trainable of fully_shard on {owner_name} must be True or False, got "
+            f"{auto_refresh_trainable!r}"
+        )
+    ignored = _ignored_ids(ignored_params, modules, owner_name)
 
     check_offload_policy(offload_policy, mesh, owner_name)
     params, lifts = _collect_params(modules, ignored, owner_name)
@@ -179,7 +191,7 @@ def _as_module_list(module: Any) -> list[nn.Module]:
     return modules
 
 
-def _resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+def _resolve_mesh(mesh: DeviceMesh | None, owner_name: str) -> DeviceMesh:
     if mesh is None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -195,7 +207,7 @@ def _resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; build one with "
             'init_device_mesh("cuda", (world_size,))'
         )
-    check_dp_mesh(mesh)
+    check_dp_mesh(mesh, owner_name)
     return mesh
 
 
@@ -205,14 +217,59 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
-def _ignored_ids(ignored_params: Iterable[nn.Parameter] | None) -> set[int]:
+def _ignored_ids(ignored_params: object, modules: list[nn.Module], owner_name: str) -> set[int]:
+    """Ids of the parameters to leave alone: one ``nn.Parameter`` or an iterable of them, each a parameter of
+    ``modules`` (a detached copy, ``p.data`` or another module's parameter would silently not be ignored)."""
     if ignored_params is None:
         return set()
-    ignored = list(ignored_params)
-    for p in ignored:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"ignored_params must hold parameters, got {type(p).__name__}")
-    return {id(p) for p in ignored}
+    if isinstance(ignored_params, torch.Tensor) and not isinstance(ignored_params, nn.Parameter):
+        raise TypeError(
+            f"ignored_params of fully_shard on {owner_name} got a {_tensor_text(ignored_params)} that is not an "
+            f"nn.Parameter{_alias_hint(ignored_params, modules)}; pass the module's parameter itself"
+        )
+    if isinstance(ignored_params, nn.Parameter):
+        entries: list[object] = [ignored_params]
+    elif isinstance(ignored_params, (str, bytes, Mapping)) or not isinstance(ignored_params, Iterable):
+        raise TypeError(
+            f"ignored_params of fully_shard on {owner_name} must be an nn.Parameter or an iterable of them (e.g. a "
+            f"set), got {type(ignored_params).__name__}"
+        )
+    else:
+        entries = list(ignored_params)
+    owned = {id(p): name for m in modules for name, p in m.named_parameters(remove_duplicate=False)}
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, nn.Parameter):
+            what = _tensor_text(entry) if isinstance(entry, torch.Tensor) else type(entry).__name__
+            hint = _alias_hint(entry, modules) if isinstance(entry, torch.Tensor) else ""
+            raise TypeError(
+                f"ignored_params of fully_shard on {owner_name}: entry {index} is a {what}, not an "
+                f"nn.Parameter{hint}; pass the module's parameters themselves"
+            )
+        if id(entry) not in owned:
+            raise ValueError(
+                f"ignored_params of fully_shard on {owner_name}: entry {index} ({_tensor_text(entry)}) is not a "
+                f"parameter of {owner_name}{_alias_hint(entry, modules)}; pass parameters of the module being "
+                "sharded (e.g. {module.side.weight})"
+            )
+    return {id(p) for p in entries}
+
+
+def _tensor_text(tensor: torch.Tensor) -> str:
+    return f"{type(tensor).__name__} of shape {tuple(tensor.shape)} and dtype {tensor.dtype}"
+
+
+def _alias_hint(tensor: torch.Tensor, modules: list[nn.Module]) -> str:
+    """Names the module parameter ``tensor`` shares memory with (``p.detach()``, ``p.data``), if any."""
+    if tensor.is_meta or isinstance(tensor, DTensor):
+        return ""
+    pointer = tensor.untyped_storage().data_ptr()
+    if pointer == 0:
+        return ""
+    for m in modules:
+        for name, p in m.named_parameters():
+            if not p.is_meta and not isinstance(p, DTensor) and p.untyped_storage().data_ptr() == pointer:
+                return f" (it shares memory with parameter '{name}': a detached copy or .data of it?)"
+    return ""
 
 
 def _describe(modules: list[nn.Module]) -> str:
@@ -325,6 +382,17 @@ def _check_params(
             f"parameters of {owner_name} have different dtypes ({listing}); one unit shares one flat buffer — cast "
             "them to one dtype or call fully_shard on the submodules that differ first"
         )
+    # A 0-dim parameter is kept whole, not in the flat buffer, but its gradient is reduced with the unit's (in the
+    # unit's dtype): it must share that dtype too.
+    unit_dtype = next((p.dtype for _, p, _ in params if p.ndim > 0), params[0][1].dtype if params else None)
+    for fqn, param, _ in params:
+        if param.ndim == 0 and param.dtype != unit_dtype:
+            raise ValueError(
+                f"parameter '{fqn}' of {owner_name} is a 0-dim {param.dtype} parameter in a unit of {unit_dtype} "
+                f"parameters; its gradient is reduced with theirs, in {unit_dtype}. Cast it to {unit_dtype}, move it "
+                "into a submodule and call fully_shard on that submodule first, or pass it in ignored_params (then "
+                "its gradient is not reduced)"
+            )
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:

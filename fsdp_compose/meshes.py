@@ -38,8 +38,33 @@ __all__ = [
 ]
 
 
-def check_dp_mesh(mesh: DeviceMesh) -> None:
-    """Raise a clear error for a mesh ``fully_shard`` cannot use (before anything is touched)."""
+def check_dp_mesh(mesh: DeviceMesh, owner: str) -> None:
+    """Raise a clear error for a mesh ``fully_shard`` cannot use (before anything is touched, no collective)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"fully_shard on {owner}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() before building the mesh"
+        )
+    if mesh.device_type == "meta":
+        raise ValueError(
+            f"fully_shard on {owner} got a 'meta' mesh; the mesh says where the unit computes and "
+            'communicates: build it on a real device (e.g. init_device_mesh("cuda", (world_size,))). To create '
+            "parameters without memory, build the module under torch.device('meta') instead"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"fully_shard on {owner}: this rank ({dist.get_rank()}) is not part of the mesh (ranks "
+            f"{mesh.mesh.flatten().tolist()}); call fully_shard only on the mesh's ranks, or build the mesh over the "
+            "ranks that hold this module"
+        )
+    for dim in range(mesh.ndim):
+        try:
+            mesh.get_group(dim)
+        except RuntimeError as error:
+            raise ValueError(
+                f"fully_shard on {owner} got a mesh without process groups ({error}); build it with "
+                "init_device_mesh(...) or DeviceMesh(...) without _init_backend=False"
+            ) from None
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard takes a 1-D (shard) or 2-D (replicate, shard) data-parallel mesh, got {mesh.ndim}-D "

@@ -1,9 +1,11 @@
-"""State dicts and checkpoints: full (gathered) state dicts, loading one held by rank 0, DCP resharding N -> M with
-optimizer state, and two differently composed models in one process (pytorch/pytorch#113237)."""
+"""State dicts and checkpoints: full (gathered) state dicts, loading one held by the mesh's first rank, loads that must
+fail atomically on every rank, DCP resharding N -> M with optimizer state, and two differently composed models in one
+process (pytorch/pytorch#113237)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,7 +19,16 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
-from tests.dist_utils import full_value, make_optimizer, max_param_diff, mesh_1d, mesh_nd, shard_gpt
+from tests.dist_utils import (
+    full_value,
+    make_optimizer,
+    max_param_diff,
+    mesh_1d,
+    mesh_nd,
+    shard_gpt,
+    train_on_dp_mesh,
+)
+from tests.test_bad_input import assert_unchanged, gpt_with_buffers, snapshot, train_steps, trained_pair
 
 MESHES = ["1d", "hsdp", "tp"]
 
@@ -53,14 +64,20 @@ def _full_round_trip(rank: int, ws: int, kind: str) -> dict[str, Any]:
     fc.load_full_state_dict(other, full if rank == 0 else {}, broadcast_from_rank0=True)
     loaded_diff = max_param_diff(other, reference)
     # and one every rank holds
-    third, _, _ = _build(kind, ws, seed=2)
+    third, dp_mesh, _ = _build(kind, ws, seed=2)
     fc.load_full_state_dict(third, everywhere)
+    third_diff = max_param_diff(third, reference)
+    # the loaded models train on like the reference
+    trained_diff = max(
+        train_on_dp_mesh(m, copy.deepcopy(reference), GPTConfig(), dp_mesh, steps=2) for m in (other, third)
+    )
     return {
         "matches": matches,
         "others_empty": rank == 0 or full == {},
         "plain": plain,
         "loaded_diff": loaded_diff,
-        "third_diff": max_param_diff(third, reference),
+        "third_diff": third_diff,
+        "trained_diff": trained_diff,
         "still_views": all(fc.get_state(m).unit.shards.views_intact() for m in [other, *other.blocks]),
     }
 
@@ -69,26 +86,232 @@ def _full_round_trip(rank: int, ws: int, kind: str) -> dict[str, Any]:
 def test_full_state_dict_round_trip_with_uneven_dims(run_dist, kind: str) -> None:
     for r in run_dist(4, _full_round_trip, kind):
         assert r["matches"] and r["others_empty"] and r["plain"] and r["still_views"]
-        assert r["loaded_diff"] == 0.0 and r["third_diff"] == 0.0
+        assert r["loaded_diff"] == 0.0 and r["third_diff"] == 0.0 and r["trained_diff"] <= 1e-5
 
 
-def _wrong_shape(rank: int, ws: int) -> str:
-    model, _, reference = _build("1d", ws)
-    bad = {k: v.clone() for k, v in reference.state_dict().items()}
-    bad["head.weight"] = torch.zeros(96, 18)
-    before = {k: full_value(v).clone() for k, v in model.state_dict().items()}
+# ------------------------------------------------------------------------------------ loads that must fail atomically
+LoadCase = Callable[[dict[str, Any], nn.Module, int, int], tuple[Any, bool, type[Exception], str]]
+_PREFIX = r"fc.load_full_state_dict into GPT: "
+
+
+def _where(rank: int) -> str:
+    return rf".*\(found on rank {rank}; nothing was loaded on any rank\)$"
+
+
+def _with(sd: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    return {**sd, key: value}
+
+
+# case -> (this rank's state dict, broadcast_from_rank0, error type, message pattern), from the good state dict
+LOAD_CASES: dict[str, LoadCase] = {
+    "meta_value": lambda sd, m, rank, ws: (
+        _with(sd, "head.weight", torch.empty(97, 18, device="meta")),
+        False,
+        ValueError,
+        _PREFIX + r"full state dict entry 'head.weight' is on the meta device and holds no values" + _where(0),
+    ),
+    "meta_value_broadcast": lambda sd, m, rank, ws: (
+        _with(sd, "ln_f.running", torch.empty(18, device="meta")) if rank == 0 else {},
+        True,
+        ValueError,
+        _PREFIX + r"full state dict entry 'ln_f.running' is on the meta device" + _where(0),
+    ),
+    "wrong_shape_on_the_last_rank": lambda sd, m, rank, ws: (
+        _with(sd, "blocks.1.mlp.fc.weight", torch.zeros(71, 18)) if rank == ws - 1 else sd,
+        False,
+        ValueError,
+        _PREFIX + r"full state dict entry 'blocks.1.mlp.fc.weight' has shape \(71, 18\), the module's parameter has "
+        r"\(72, 18\); load a checkpoint of the same model configuration" + _where(ws - 1),
+    ),
+    "wrong_shape_broadcast": lambda sd, m, rank, ws: (
+        _with(sd, "head.weight", torch.zeros(96, 18)) if rank == 0 else {},
+        True,
+        ValueError,
+        _PREFIX + r"full state dict entry 'head.weight' has shape \(96, 18\), the module's parameter has \(97, 18\)",
+    ),
+    "missing_key_on_one_rank": lambda sd, m, rank, ws: (
+        {k: v for k, v in sd.items() if k != "ln_f.bias"} if rank == 1 else sd,
+        False,
+        ValueError,
+        _PREFIX + r"the full state dict does not match the module: missing keys \['ln_f.bias'\], unexpected keys "
+        r"\[\]" + _where(1),
+    ),
+    "unexpected_key": lambda sd, m, rank, ws: (
+        _with(sd, "extra.weight", torch.zeros(2)),
+        False,
+        ValueError,
+        _PREFIX + r".*missing keys \[\], unexpected keys \['extra.weight'\]" + _where(0),
+    ),
+    "integer_value_for_a_float_parameter": lambda sd, m, rank, ws: (
+        _with(sd, "pos_emb", sd["pos_emb"].long()),
+        False,
+        ValueError,
+        _PREFIX + r"full state dict entry 'pos_emb' has dtype torch.int64, the module's parameter has torch.float32; "
+        r"only floating-point to floating-point \(or complex to complex\) values are cast" + _where(0),
+    ),
+    "float_value_for_an_integer_buffer_broadcast": lambda sd, m, rank, ws: (
+        _with(sd, "seen", sd["seen"].float()) if rank == 0 else {},
+        True,
+        ValueError,
+        _PREFIX
+        + r"full state dict entry 'seen' has dtype torch.float32, the module's buffer has torch.int64"
+        + _where(0),
+    ),
+    "not_a_tensor": lambda sd, m, rank, ws: (
+        _with(sd, "ln_f.running", [0.0] * 18),
+        False,
+        TypeError,
+        _PREFIX + r"full state dict entry 'ln_f.running' is a list, not a tensor" + _where(0),
+    ),
+    "dtensor_value": lambda sd, m, rank, ws: (
+        _with(sd, "head.weight", m.state_dict()["head.weight"]),
+        False,
+        TypeError,
+        _PREFIX
+        + r"full state dict entry 'head.weight' is a DTensor; a full state dict holds plain tensors"
+        + _where(0),
+    ),
+    "not_a_mapping_on_the_last_rank": lambda sd, m, rank, ws: (
+        list(sd.items()) if rank == ws - 1 else sd,
+        False,
+        TypeError,
+        _PREFIX + r"state_dict must be a mapping of names to tensors, got list" + _where(ws - 1),
+    ),
+    "broadcast_flag_differs_across_ranks": lambda sd, m, rank, ws: (
+        sd,
+        rank == 0,
+        ValueError,
+        _PREFIX + r"the ranks of its mesh disagree on the module's state-dict entries \(keys, shapes, dtypes\) or on "
+        r"broadcast_from_rank0; every rank must call it on the same model with the same arguments",
+    ),
+}
+
+
+def _load_rejected(rank: int, ws: int, case: str) -> str:
+    model, opt, reference, ref_opt = trained_pair(ws)
+    # different values everywhere, so a partial load would show
+    good = {k: v + 1 for k, v in fc.full_state_dict(model, rank0_only=False).items()}
+    state_dict, broadcast, kind, pattern = LOAD_CASES[case](good, model, rank, ws)
+    before = snapshot(model, opt)
+    with pytest.raises(kind, match=pattern) as info:
+        fc.load_full_state_dict(model, state_dict, broadcast_from_rank0=broadcast)
+    assert_unchanged(before, snapshot(model, opt))
+    assert train_steps(model, opt, reference, ref_opt, mesh_1d(ws), range(1, 3)) <= 1e-5
+    return str(info.value)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("case", sorted(LOAD_CASES))
+def test_a_bad_full_state_dict_fails_on_every_rank_and_changes_nothing(run_dist, ws: int, case: str) -> None:
+    assert len(set(run_dist(ws, _load_rejected, case))) == 1
+
+
+# ------------------------------------------------------------------------------------------------ loads that work
+def _buffers_equal(model: nn.Module, reference: nn.Module) -> bool:
+    ref = dict(reference.named_buffers())
+    return all(torch.equal(b, ref[n]) and b.dtype == ref[n].dtype for n, b in model.named_buffers())
+
+
+def _load_wider_float_dtype(rank: int, ws: int, broadcast: bool) -> float:
+    """A float64 checkpoint (integer buffer unchanged) loads into the float32 model, cast: adversarial repro 06."""
+    model, _, reference, _ = trained_pair(ws)
+    full = fc.full_state_dict(model, rank0_only=broadcast)
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in full.items()}
+    fresh = gpt_with_buffers(seed=5)
+    shard_gpt(fresh, mesh_1d(ws))
+    fc.load_full_state_dict(fresh, wide, broadcast_from_rank0=broadcast)  # off the first rank, wide is {}
+    assert max_param_diff(fresh, model) == 0.0 and _buffers_equal(fresh, model)  # exactly the sharded model's values
+    assert all(p.dtype == torch.float32 for p in fresh.parameters())
+    opt, ref_opt = make_optimizer("sgd")(fresh.parameters()), make_optimizer("sgd")(reference.parameters())
+    return train_steps(fresh, opt, reference, ref_opt, mesh_1d(ws), range(1, 3))
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_a_float64_checkpoint_loads_into_a_float32_model(run_dist, ws: int, broadcast: bool) -> None:
+    assert max(run_dist(ws, _load_wider_float_dtype, broadcast)) <= 1e-5
+
+
+def _pipeline_stages(rank: int, ws: int) -> float:
+    """Two stages, each a model sharded over its half of the ranks: full state dicts stay on, and broadcast from,
+    each stage's first rank (not global rank 0), over the stage's own mesh."""
+    per_stage = ws // 2
+    dp_mesh = mesh_nd((2, per_stage), ("pp", "dp"))["dp"]
+    stage, first = rank // per_stage, (rank // per_stage) * per_stage
+    model = gpt_with_buffers(seed=stage)
+    reference = copy.deepcopy(model)
+    shard_gpt(model, dp_mesh)
+    full = fc.full_state_dict(model)
+    expected = reference.state_dict()
+    if rank == first:
+        assert full.keys() == expected.keys() and all(torch.equal(full[k], expected[k]) for k in full)
+    else:
+        assert full == {}
+    fresh = gpt_with_buffers(seed=10 + stage)
+    shard_gpt(fresh, dp_mesh)
+    fc.load_full_state_dict(fresh, full, broadcast_from_rank0=True)
+    assert max_param_diff(fresh, reference) == 0.0 and _buffers_equal(fresh, reference)
+    opt, ref_opt = make_optimizer("sgd")(fresh.parameters()), make_optimizer("sgd")(reference.parameters())
+    return train_steps(fresh, opt, reference, ref_opt, dp_mesh, range(2))
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_full_state_dicts_use_the_module_mesh_first_rank(run_dist, ws: int) -> None:
+    assert max(run_dist(ws, _pipeline_stages)) <= 1e-5
+
+
+def _meta_module(rank: int, ws: int) -> str:
+    """Loading into a module still on 'meta' raises everywhere; after to_empty the same load works and trains."""
+    reference = gpt_with_buffers()
+    full = reference.state_dict()
+    with torch.device("meta"):
+        model = gpt_with_buffers()
+    shard_gpt(model, mesh_1d(ws))
     with pytest.raises(
-        ValueError, match=r"'head.weight' has shape \(96, 18\), the module's parameter has \(97, 18\)"
-    ) as e:
-        fc.load_full_state_dict(model, bad if rank == 0 else {}, broadcast_from_rank0=True)
-    with pytest.raises(ValueError, match=r"missing keys \['ln_f.bias'\]"):
-        fc.load_full_state_dict(model, {k: v for k, v in reference.state_dict().items() if k != "ln_f.bias"})
-    assert all(torch.equal(full_value(v), before[k]) for k, v in model.state_dict().items())
-    return str(e.value)
+        ValueError,
+        match=_PREFIX + r"the module's 'pos_emb' is on the meta device; materialize the module before "
+        r"loading values into it: module.to_empty\(device=...\)" + _where(0),
+    ) as info:
+        fc.load_full_state_dict(model, full if rank == 0 else {}, broadcast_from_rank0=True)
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    model.to_empty(device="cpu")
+    fc.load_full_state_dict(model, full if rank == 0 else {}, broadcast_from_rank0=True)
+    assert max_param_diff(model, reference) == 0.0 and _buffers_equal(model, reference)
+    opt, ref_opt = make_optimizer("sgd")(model.parameters()), make_optimizer("sgd")(reference.parameters())
+    assert train_steps(model, opt, reference, ref_opt, mesh_1d(ws), range(2)) <= 1e-5
+    return str(info.value)
 
 
-def test_loading_a_wrong_shape_fails_everywhere_and_changes_nothing(run_dist) -> None:
-    assert len(set(run_dist(2, _wrong_shape))) == 1
+@pytest.mark.parametrize("ws", [2, 4])
+def test_loading_into_a_meta_module_fails_everywhere_until_materialized(run_dist, ws: int) -> None:
+    assert len(set(run_dist(ws, _meta_module))) == 1
+
+
+def _unsharded_and_bad_flags(rank: int, ws: int) -> None:
+    plain = gpt_with_buffers()
+    before = snapshot(plain)
+    for call in (
+        lambda: fc.full_state_dict(plain),
+        lambda: fc.load_full_state_dict(plain, plain.state_dict()),
+    ):
+        with pytest.raises(ValueError, match=r"no entry of this GPT's state_dict is sharded.*call fc.fully_shard"):
+            call()
+    assert_unchanged(before, snapshot(plain))
+    model, opt, reference, ref_opt = trained_pair(ws)
+    before = snapshot(model, opt)
+    with pytest.raises(TypeError, match=r"fc.full_state_dict: rank0_only must be True or False, got 'yes'"):
+        fc.full_state_dict(model, rank0_only="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"fc.load_full_state_dict: broadcast_from_rank0 must be True or False"):
+        fc.load_full_state_dict(model, {}, broadcast_from_rank0=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"fc.load_full_state_dict takes the sharded nn.Module first, got dict"):
+        fc.load_full_state_dict({}, model)  # type: ignore[arg-type]
+    assert_unchanged(before, snapshot(model, opt))
+    assert train_steps(model, opt, reference, ref_opt, mesh_1d(ws), range(1, 3)) <= 1e-5
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_state_dict_functions_reject_unsharded_modules_and_bad_arguments(run_dist, ws: int) -> None:
+    run_dist(ws, _unsharded_and_bad_flags)
 
 
 # ------------------------------------------------------------------------------------------------ DCP N -> M

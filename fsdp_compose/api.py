@@ -113,8 +113,9 @@ def reshard(module: nn.Module) -> None:
 
 
 def reset_step(module: nn.Module) -> None:
-    """Forget the current step of the root ``module`` (or of the root above it): complete the collectives it issued, drop the gradients it
-    holds but has not delivered to ``.grad`` yet (no-sync accumulation included), reshard every unit.
+    """Forget the current step of the root ``module`` (or of the root above it): complete the collectives it
+    issued, drop the gradients it holds but has not delivered to ``.grad`` yet (no-sync accumulation included),
+    reshard every unit.
 
     Not needed after an exception: the next forward of the root does the same for a step that did not finish (the
     gradients of an interrupted accumulation window are dropped, since the failed micro-batch's are mixed in).

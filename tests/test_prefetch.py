@@ -47,10 +47,7 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
     finally:
         unit_module.ShardedUnit.start_unshard = original  # type: ignore[method-assign]
     states = [fc.get_state(m) for m in [model, *model.blocks]]
-    left_in_flight = [
-        s.unit.state is UnitState.GATHERING or s.unit.grads.state is not GradState.IDLE
-        for s in states
-    ]
+    left_in_flight = [s.unit.state is UnitState.GATHERING or s.unit.grads.state is not GradState.IDLE for s in states]
     return {"issued": issued, "left_in_flight": any(left_in_flight)}
 
 

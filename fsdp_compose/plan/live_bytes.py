@@ -90,6 +90,15 @@ def _metadata_ops() -> frozenset[Any]:
 _METADATA_OPS = _metadata_ops()
 
 
+def _result_is_input_ops() -> frozenset[Any]:
+    """Ops whose result is their input tensor (a real kernel returns it; a fake kernel may return a fresh one)."""
+    packet = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+    return frozenset() if packet is None else frozenset(getattr(packet, o) for o in packet.overloads())
+
+
+_RESULT_IS_INPUT_OPS = _result_is_input_ops()
+
+
 def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The untyped storages holding ``tensor``'s data: its own, or its inner tensors' for a wrapper subclass."""
     if is_traceable_wrapper_subclass(tensor):
@@ -223,6 +232,11 @@ class LiveBytesCounter(TorchDispatchMode):
                 totals[name] = totals.get(name, 0) + nbytes
         return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
+    def set_phase(self, name: str) -> None:
+        """Start phase ``name``; its peak is at least what is live now."""
+        self.phase = name
+        self._note_peak(None)
+
     # ------------------------------------------------------------------ tracking
     def watch(self, items: Iterable[torch.UntypedStorage | torch.Tensor]) -> None:
         """Re-read these storages' sizes after every op (``refresh="watched"``); tracks them when new."""
@@ -305,6 +319,17 @@ class LiveBytesCounter(TorchDispatchMode):
             self.baseline_bytes += nbytes
             self.peak_bytes += nbytes
 
+    def _hand_over(self, st: torch.UntypedStorage) -> None:
+        """``st``'s data is now another storage's (a fake ``wait_tensor`` result): stop counting it."""
+        key = st._cdata
+        if key not in self._sizes:
+            return
+        self.current_bytes -= self._sizes.pop(key)
+        self._refs.pop(key, None)
+        self._gen.pop(key, None)
+        self._watched.discard(key)
+        self._ignored[key] = weakref.ref(st, lambda _: self._ignored.pop(key, None))
+
     def _ignore(self, st: torch.UntypedStorage) -> None:
         key = st._cdata
         nbytes = st.nbytes()
@@ -361,6 +386,8 @@ class LiveBytesCounter(TorchDispatchMode):
         self.ops += 1
         outputs = [st for leaf in _tensors(out, []) for st in storages_of(leaf)]
         self._refresh_sizes(seen + outputs)
+        if func in _RESULT_IS_INPUT_OPS and seen and outputs and seen[0]._cdata != outputs[0]._cdata:
+            self._hand_over(seen[0])
         for st in outputs:
             self._track(st)
         if self.on_op is not None:

@@ -82,6 +82,12 @@ def _notes(config: PlanConfig, record: StepRecord) -> list[str]:
             "Optimizer: the per-parameter loop (torch's CPU default); torch's CUDA default, foreach=True, adds "
             "temporaries in the optimizer phase (planning with --foreach is exact but slower)."
         )
+    if record.sharding_propagations > 0:
+        notes.append(
+            f"DTensor propagated shardings {record.sharding_propagations} time(s) in the measured step (a first use "
+            "of some op): under FakeTensorMode its metadata-only tensors are counted, which a real run does not; "
+            "the peaks may be overstated where they coincide (plan with more warm-up steps)."
+        )
     if record.unknown_collectives:
         notes.append(f"Collectives seen but not counted (unknown kinds): {record.unknown_collectives}.")
     return notes

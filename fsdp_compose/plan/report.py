@@ -40,7 +40,7 @@ def _describe(result: PlanResult) -> list[str]:
     config, record = result.config, result.record
     precision = f"params {config.param_dtype or 'as stored'}, reduce {config.reduce_dtype or 'as params'}"
     raf = config.reshard_after_forward
-    seq = config.seq_len or "model's"
+    seq = record.seq_len
     return [
         f"fsdp_compose plan: {config.model} on {config.world_size} ranks ({config.mesh_name()}), rank {config.rank}",
         f"  {record.parameters / 1e9:.3f} B parameters in {record.units} units; {precision}; optimizer "

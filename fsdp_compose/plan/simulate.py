@@ -25,8 +25,9 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.tensor import DTensor
 
-__all__ = ["StorageIdentity", "fake_process_group", "fake_tensors"]
+__all__ = ["StorageIdentity", "clear_dtensor_caches", "fake_process_group", "fake_tensors"]
 
 
 class StorageIdentity:
@@ -80,6 +81,27 @@ class StorageIdentity:
         self._last = None
 
 
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions.
+
+    DTensor caches them per (op, argument specs), and a spec's mesh compares equal to a mesh of an earlier process
+    group with the same shape and names: a plan after another one would get decisions that carry the earlier mesh
+    (and redistribute over its destroyed groups). Cleared when a fake world starts and when it ends, so neither the
+    next plan nor the host process's own DTensors meet the planner's meshes.
+    """
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cache in (
+        getattr(propagator, "propagate_op_sharding", None),
+        getattr(type(propagator), "_propagate_tensor_meta_cached", None),
+    ):
+        cache_clear = getattr(cache, "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+
+
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     """The default process group is torch's fake one for the duration (this process must not have one)."""
@@ -92,11 +114,13 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend's constructor)
 
     store = dist.HashStore()  # type: ignore[attr-defined]
+    clear_dtensor_caches()
     dist.init_process_group("fake", store=store, rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        clear_dtensor_caches()
 
 
 @contextlib.contextmanager

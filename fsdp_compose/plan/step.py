@@ -69,6 +69,7 @@ class PlanConfig:
     default on CUDA; on CPU torch defaults to the per-parameter loop). ``batch_size`` and ``seq_len`` are per
     data-parallel rank;
     ``seq_len=None`` takes the model's own ``seq_len`` (else 2048). ``rank``: which rank to simulate.
+    ``warmup_steps``: steps before the measured one (default: see :attr:`warmup`).
     """
 
     model: str = "gpt"
@@ -85,7 +86,7 @@ class PlanConfig:
     batch_size: int = 1
     seq_len: int | None = None
     activation_checkpointing: bool = False
-    warmup_steps: int = 1
+    warmup_steps: int | None = None
 
     @property
     def shard(self) -> int:
@@ -105,8 +106,16 @@ class PlanConfig:
                 raise ValueError(f"unknown dtype {dtype!r}; one of {sorted(DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; one of {OPTIMIZERS}")
-        if self.warmup_steps < 1:
+        if self.warmup_steps is not None and self.warmup_steps < 1:
             raise ValueError("warmup_steps must be at least 1 (lazy initialization and optimizer state)")
+
+    @property
+    def warmup(self) -> int:
+        """Steps before the measured one: 1 (lazy initialization, optimizer state), 2 for SGD with momentum, whose
+        first step creates the momentum buffer by a copy and only the second one runs the steady-state update."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return 2 if self.optimizer == "sgd-momentum" else 1
 
     def mesh_dims(self) -> dict[str, int]:
         dims = {"replicate": self.replicate} if self.replicate > 1 else {}
@@ -127,12 +136,16 @@ class MeshSetup:
     group_labels: dict[str, str]
 
 
-def build_mesh(config: PlanConfig, device_type: str = "cpu") -> MeshSetup:
-    """The mesh of ``config`` over the default process group, and the name of each dimension's process group."""
+def build_mesh(config: PlanConfig, device_type: str = "cpu", mesh: DeviceMesh | None = None) -> MeshSetup:
+    """The mesh of ``config`` (built over the default process group, or ``mesh`` when given: its shape and
+    dimension names must be :meth:`PlanConfig.mesh_dims`'s), and the name of each dimension's process group."""
     config.validate()
     dims = config.mesh_dims()
     names = tuple(dims)
-    mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=names)
+    if mesh is None:
+        mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=names)
+    elif tuple(mesh.mesh_dim_names or ()) != names or tuple(mesh.shape) != tuple(dims.values()):
+        raise ValueError(f"mesh {mesh} does not match the configuration's {dims}")
     dp_names = tuple(name for name in names if name != "tp")
     dp_mesh = mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]]
     tp_mesh = mesh["tp"] if "tp" in dims else None
@@ -148,6 +161,12 @@ class Setup:
     targets: torch.Tensor
     units: dict[str, nn.Module]  # name -> sharded module (blocks first, then "root")
     unit_params: dict[str, list[ParamInfo]]  # name -> what fully_shard got (TP-local shapes), before sharding
+    seq_len: int
+    optimizer_shapes: list[tuple[int, ...]]  # trainable parameters in the optimizer's order, as fully_shard got them
+
+
+def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
 
 
 @dataclass(frozen=True)
@@ -171,7 +190,7 @@ def unit_params(units: list[tuple[str, nn.Module]]) -> dict[str, list[ParamInfo]
                 continue
             owned.add(id(param))
             local = param.to_local() if isinstance(param, DTensor) else param
-            infos.append(ParamInfo(tuple(local.shape), local.dtype, param.requires_grad))
+            infos.append(ParamInfo(_local_shape(param), local.dtype, param.requires_grad))
         result[name] = infos
     return result
 
@@ -198,6 +217,7 @@ def build(config: PlanConfig, mesh: MeshSetup) -> Setup:
     policy = fc.MixedPrecisionPolicy(param_dtype=dtype.get("p"), reduce_dtype=dtype.get("r"))
     names = {id(module): name for name, module in model.named_modules()}
     infos = unit_params([(names[id(unit)], unit) for unit in spec.units] + [("root", model)])
+    order = [_local_shape(p) for p in model.parameters() if p.requires_grad]
     units: dict[str, nn.Module] = {}
     for unit in spec.units:
         fc.fully_shard(unit, mesh=mesh.dp_mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy)
@@ -209,7 +229,7 @@ def build(config: PlanConfig, mesh: MeshSetup) -> Setup:
     optimizer = _make_optimizer(config.optimizer, [p for p in model.parameters() if p.requires_grad], config.foreach)
     seq_len = config.seq_len or int(spec.description.get("seq_len", 2048))
     inputs, targets = spec.make_batch(config.batch_size, seq_len)
-    return Setup(spec, optimizer, inputs, targets, units, infos)
+    return Setup(spec, optimizer, inputs, targets, units, infos, seq_len, order)
 
 
 def _own_params(unit: nn.Module, others: set[int]) -> Iterator[torch.Tensor]:
@@ -306,7 +326,9 @@ class StepRecord:
     """What one rank holds and moves in the measured step. Bytes are storage bytes (padding included)."""
 
     config: dict[str, Any]
+    model: dict[str, Any]  # the model's description (a preset's config fields)
     mesh: dict[str, int]
+    seq_len: int
     parameters: int
     units: int
     sharded_param_bytes: int
@@ -322,7 +344,9 @@ class StepRecord:
     unknown_collectives: dict[str, int]
     backend_temporaries_bytes: int
     ops: int
+    sharding_propagations: int  # DTensor sharding-propagation cache misses in the measured step (see _notes)
     unit_params: dict[str, list[ParamInfo]] = field(default_factory=dict, repr=False)
+    optimizer_shapes: list[tuple[int, ...]] = field(default_factory=list, repr=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -338,7 +362,7 @@ class StepRecord:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (without ``unit_params``)."""
         result = asdict(self)
-        del result["unit_params"]
+        del result["unit_params"], result["optimizer_shapes"]
         return result
 
 
@@ -377,7 +401,7 @@ class _Step:
 
     def phase(self, name: str) -> None:
         if self.counter is not None:
-            self.counter.phase = name
+            self.counter.set_phase(name)
 
     def run(self) -> None:
         setup = self.setup
@@ -398,6 +422,19 @@ class _Step:
                 p.grad = None
 
 
+def _sharding_cache_misses() -> int:
+    """DTensor's sharding-propagation cache misses so far (its C++ and Python caches; 0 where torch does not say)."""
+    misses = 0
+    stats = getattr(torch._C, "_get_DTensor_sharding_propagator_cache_stats", None)
+    if stats is not None:
+        misses += int(stats()[1])
+    cache = getattr(DTensor._op_dispatcher.sharding_propagator, "propagate_op_sharding", None)
+    info = getattr(cache, "cache_info", None)
+    if info is not None:
+        misses += int(info().misses)
+    return misses
+
+
 def measure_step(
     config: PlanConfig, mesh: MeshSetup, *, fake: bool = False, refresh: Literal["all", "watched"] = "watched"
 ) -> StepRecord:
@@ -412,7 +449,7 @@ def measure_step(
     setup = build(config, mesh)
     watcher = UnitWatcher(setup.units)
     try:
-        for _ in range(config.warmup_steps):
+        for _ in range(config.warmup):
             _Step(setup, None, None).run()
         counter = LiveBytesCounter(unseen="ignore", see_through_subclasses=True, refresh=refresh)
         tally = CollectiveTally(mesh.group_labels)
@@ -428,9 +465,11 @@ def measure_step(
         step = _Step(setup, counter, tally)
         counter.on_op = step.on_op
         counter.on_new_peak = watcher.label_grads
+        misses = _sharding_cache_misses()
         with counter:
             step.run()
         counter.close()
+        misses = _sharding_cache_misses() - misses
     finally:
         watcher.remove()
     breakdown: dict[str, dict[str, int]] = {}
@@ -439,7 +478,9 @@ def measure_step(
         breakdown[phase], gathered[phase] = _roll_up(counter.breakdown(phase))
     return StepRecord(
         config=asdict(config),
+        model=dict(setup.spec.description),
         mesh=config.mesh_dims(),
+        seq_len=setup.seq_len,
         parameters=sum(p.numel() for p in params),
         units=len(setup.units),
         sharded_param_bytes=_distinct_bytes(params),
@@ -455,5 +496,7 @@ def measure_step(
         unknown_collectives=dict(tally.unknown),
         backend_temporaries_bytes=counter.ignored_peak_bytes,
         ops=counter.ops,
+        sharding_propagations=misses,
         unit_params=setup.unit_params,
+        optimizer_shapes=setup.optimizer_shapes,
     )

@@ -33,6 +33,7 @@ from .step import DTYPES, ParamInfo, PlanConfig
 __all__ = [
     "StateBytes",
     "gather_passes",
+    "ideal_collective_bytes",
     "min_collective_bytes",
     "owned_rows",
     "padded_rows",
@@ -147,3 +148,19 @@ def min_collective_bytes(
     if config.replicate > 1:
         result["all_reduce"] = all_reduce
     return result
+
+
+def ideal_collective_bytes(units: Mapping[str, Sequence[ParamInfo]], config: PlanConfig, *, root: str = "root") -> int:
+    """:func:`min_collective_bytes` without padding: every parameter moved exactly once per pass (what padding to
+    ``ceil(dim0 / S)`` rows adds is the minimum minus this)."""
+    shards = config.shard
+    total = 0
+    for name, infos in units.items():
+        _, gathered, reduced = _dtypes(config, infos)
+        numel = sum(math.prod(p.shape) for p in infos if p.shape)
+        trainable = sum(math.prod(p.shape) for p in infos if p.shape and p.trainable)
+        if shards > 1:
+            total += gather_passes(config, name, root) * numel * _size(gathered) + trainable * _size(reduced)
+        if config.replicate > 1:
+            total += -(-trainable // shards) * _size(reduced)
+    return total

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .analytic import StateBytes, min_collective_bytes, sharded_state, zero3_floor
+from .analytic import StateBytes, ideal_collective_bytes, min_collective_bytes, sharded_state, zero3_floor
 from .peak_model import PeakModel, peak_model
 from .simulate import fake_process_group, fake_tensors
 from .step import PlanConfig, StepRecord, build_mesh, measure_step
@@ -30,6 +30,7 @@ class PlanResult:
     state: StateBytes
     floor_bytes: int
     min_collectives: dict[str, int]
+    ideal_collective_bytes: int
     peak_model: PeakModel | None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -44,6 +45,7 @@ class PlanResult:
                 "state": asdict(self.state),
                 "zero3_floor": self.floor_bytes,
                 "min_collectives": self.min_collectives,
+                "ideal_collective_bytes": self.ideal_collective_bytes,
                 "peak_model": None if self.peak_model is None else self.peak_model.as_dict(),
             },
             "notes": self.notes,
@@ -112,6 +114,7 @@ def plan(config: PlanConfig) -> PlanResult:
         state=sharded_state(units, config),
         floor_bytes=zero3_floor(units, config),
         min_collectives=min_collective_bytes(units, config),
+        ideal_collective_bytes=ideal_collective_bytes(units, config),
         peak_model=peak_model(config, record),
         notes=_notes(config, record),
     )

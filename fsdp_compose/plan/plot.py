@@ -12,9 +12,22 @@ __all__ = ["plot_sweep"]
 _GIB = float(1 << 30)
 
 
+_GROUPS = (  # stacked bar segments: (legend, labels of the measured breakdown, colour)
+    (
+        "sharded state (parameters, gradients, optimizer)",
+        ("sharded parameters", "sharded gradients", "reduce-scatter output", "optimizer state", "batch"),
+        "#4c72b0",
+    ),
+    ("gathered parameters", ("gathered parameters",), "#dd8452"),
+    ("collective buffers", ("all-gather buffers", "reduce-scatter input", "all-reduce buffers"), "#937860"),
+    ("unsharded gradients", ("unsharded gradients",), "#55a868"),
+    ("activations and temporaries", ("activations and temporaries",), "#c44e52"),
+)
+
+
 def plot_sweep(results: Sequence[PlanResult], path: str | Path, *, title: str | None = None) -> Path:
-    """Stacked sharded state (parameters, gradients, optimizer state) and the forward / backward peaks per rank,
-    one column per mesh of the sweep, on a log-scaled world-size axis when the meshes differ in size."""
+    """One bar per mesh of the sweep: what is live at the backward peak, stacked (GiB per rank); the forward peak
+    as a line and the analytic model's peaks (where it applies) as crosses."""
     try:
         import matplotlib
 
@@ -26,30 +39,39 @@ def plot_sweep(results: Sequence[PlanResult], path: str | Path, *, title: str | 
         raise ValueError("nothing to plot: the sweep is empty")
     labels = [f"{r.config.world_size}\n{r.config.mesh_name().replace(' x ', chr(10))}" for r in results]
     xs = list(range(len(results)))
-    params = [r.record.sharded_param_bytes / _GIB for r in results]
-    grads = [r.record.grad_bytes / _GIB for r in results]
-    optimizer = [r.record.optimizer_bytes / _GIB for r in results]
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=100)
-    ax.bar(xs, params, 0.6, label="sharded parameters", color="#4c72b0")
-    ax.bar(xs, grads, 0.6, bottom=params, label="sharded gradients", color="#55a868")
-    below = [p + g for p, g in zip(params, grads, strict=True)]
-    ax.bar(xs, optimizer, 0.6, bottom=below, label="optimizer state", color="#c44e52")
-    for phase, style in (("forward", "o--"), ("backward", "s-")):
-        ax.plot(xs, [r.record.peaks[phase] / _GIB for r in results], style, color="black", label=f"peak ({phase})")
-        if results[0].peak_model is not None:
-            modelled = [(r.peak_model.peaks.get(phase, 0) if r.peak_model else 0) / _GIB for r in results]
-            ax.plot(xs, modelled, "x", color="#dd8452", markersize=9, label=f"analytic peak ({phase})")
+    bottoms = [0.0] * len(results)
+    for legend, names, colour in _GROUPS:
+        heights = [sum(r.record.breakdown["backward"].get(n, 0) for n in names) / _GIB for r in results]
+        ax.bar(xs, heights, 0.6, bottom=bottoms, label=legend, color=colour)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.plot(xs, [r.record.peaks["forward"] / _GIB for r in results], "o--", color="black", label="forward peak")
+    modelled = [(x, r.peak_model.peaks) for x, r in zip(xs, results, strict=True) if r.peak_model is not None]
+    if modelled:
+        for phase, marker in (("backward", "x"), ("forward", "+")):
+            ax.plot(
+                [x for x, _ in modelled],
+                [peaks[phase] / _GIB for _, peaks in modelled],
+                marker,
+                color="black",
+                markersize=11,
+                linestyle="none",
+                label=f"analytic model, {phase} peak",
+            )
     ax.set_xticks(xs, labels, fontsize=8)
     ax.set_xlabel("ranks (mesh)")
-    ax.set_ylabel("GiB per rank")
-    ax.set_yscale("log")
-    config = results[0].config
+    ax.set_ylabel("GiB per rank at the backward peak")
+    ax.set_ylim(0, max(max(bottoms), max(r.record.peaks["forward"] for r in results) / _GIB) * 1.45)
+    record, config = results[0].record, results[0].config
+    precision = config.param_dtype or "fp32"
     ax.set_title(
-        title or f"{config.model}: memory per rank (batch {config.batch_size} x seq {config.seq_len or 'default'})",
+        title
+        or f"{config.model}: memory per rank (batch {config.batch_size} x {record.seq_len}, {precision}, "
+        f"{config.optimizer})",
         fontsize=10,
     )
-    ax.grid(axis="y", alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out)

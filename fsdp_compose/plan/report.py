@@ -111,6 +111,8 @@ def _collectives(result: PlanResult) -> list[str]:
     fsdp = sum(g["bytes"] for groups in record.collectives.values() for name, g in groups.items() if name != "tp")
     minimum = sum(result.min_collectives.values())
     rows.append(["total (FSDP)", "", "", fmt_bytes(fsdp), fmt_bytes(minimum), _ratio(fsdp, minimum)])
+    ideal = result.ideal_collective_bytes
+    rows.append(["total without padding", "", "", "", fmt_bytes(ideal), _ratio(fsdp, ideal)])
     return _table(rows, right=(2, 3, 4, 5))
 
 

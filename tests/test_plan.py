@@ -38,7 +38,7 @@ def _gloo_step(rank: int, world_size: int, config: PlanConfig) -> dict[str, Any]
 
 PARITY = {
     "1d-2": PlanConfig(model="gpt", model_args=SMALL_GPT, world_size=2, batch_size=2),
-    "1d-4-bf16-sgd": PlanConfig(
+    "1d-4-bf16-sgd-reshard2": PlanConfig(
         model="gpt",
         model_args=SMALL_GPT,
         world_size=4,
@@ -46,6 +46,7 @@ PARITY = {
         optimizer="sgd-momentum",
         param_dtype="bf16",
         reduce_dtype="fp32",
+        reshard_after_forward=2,
     ),
     "hsdp-2x2": PlanConfig(model="gpt", model_args=SMALL_GPT, world_size=4, replicate=2, batch_size=2),
     "tp-2x2": PlanConfig(model="gpt", model_args=SMALL_GPT, world_size=4, tp=2, batch_size=2),
@@ -56,7 +57,7 @@ PARITY = {
 def test_planner_matches_gloo_run(run_dist: Any, name: str) -> None:
     config = PARITY[name]
     real = run_dist(config.world_size, _gloo_step, config)
-    ranks = (0, config.world_size - 1) if name == "1d-4-bf16-sgd" else (0,)
+    ranks = (0, config.world_size - 1) if name.startswith("1d-4") else (0,)
     planned_peaks = []
     for rank in ranks:
         planned = fp.plan(replace(config, rank=rank)).record

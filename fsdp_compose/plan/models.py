@@ -329,7 +329,7 @@ def _as_spec(built: Any, name: str) -> ModelSpec:
     if embedding is None:
         raise TypeError(
             f"model factory {name} returned a module without an nn.Embedding, so the planner cannot make its "
-            "inputs; return an fc.plan.ModelSpec with make_batch and loss instead"
+            "inputs; return a fsdp_compose.plan.ModelSpec with make_batch and loss instead"
         )
     return ModelSpec(built, _auto_units(built), _token_batch(embedding.num_embeddings), cross_entropy)
 

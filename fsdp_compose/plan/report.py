@@ -96,18 +96,23 @@ def _collectives(result: PlanResult) -> list[str]:
     record = result.record
     rows = [["collectives per step", "group", "calls", "bytes", "minimum", "bytes / minimum"]]
     for kind, groups in record.collectives.items():
+        fsdp_groups = {name: g for name, g in groups.items() if name != "tp"}
+        minimum = result.min_collectives.get(kind, 0)
+        kind_bytes = sum(g["bytes"] for g in fsdp_groups.values())
+        first = True
         for group, figures in groups.items():
-            minimum = result.min_collectives.get(kind) if group != "tp" else None
+            show = first and group != "tp" and minimum > 0
             rows.append(
                 [
                     kind,
                     group,
                     str(figures["calls"]),
                     fmt_bytes(figures["bytes"]),
-                    fmt_bytes(minimum) if minimum else "-",
-                    _ratio(figures["bytes"], minimum) if minimum else "-",
+                    fmt_bytes(minimum) if show else "-",
+                    (_ratio(kind_bytes, minimum) + (" (all groups)" if len(fsdp_groups) > 1 else "")) if show else "-",
                 ]
             )
+            first = first and not show
     fsdp = sum(g["bytes"] for groups in record.collectives.values() for name, g in groups.items() if name != "tp")
     minimum = sum(result.min_collectives.values())
     rows.append(["total (FSDP)", "", "", fmt_bytes(fsdp), fmt_bytes(minimum), _ratio(fsdp, minimum)])

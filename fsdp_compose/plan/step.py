@@ -150,7 +150,21 @@ def build_mesh(config: PlanConfig, device_type: str = "cpu", mesh: DeviceMesh | 
     dp_mesh = mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]]
     tp_mesh = mesh["tp"] if "tp" in dims else None
     labels = {str(mesh.get_group(name).group_name): name for name in names}
+    setting = config.reshard_after_forward
+    if not isinstance(setting, bool) and 1 < setting < config.shard:
+        _make_post_forward_groups(dp_mesh, setting, mesh.device_type)
     return MeshSetup(mesh, dp_mesh, tp_mesh, labels)
+
+
+def _make_post_forward_groups(dp_mesh: DeviceMesh, size: int, device_type: str) -> None:
+    """Have fsdp_compose create the groups of ``reshard_after_forward=size`` now, outside ``FakeTensorMode``.
+
+    fully_shard cuts them from the mesh (``DeviceMesh._unflatten``, which builds a rank tensor and cannot run under
+    FakeTensorMode) and caches them on the mesh object for every later unit (docs/design.md); sharding a one-element
+    module here fills that cache, so the model's units, sharded under FakeTensorMode, reuse the groups.
+    """
+    with torch.device(device_type):
+        fc.fully_shard(nn.Linear(1, 1, bias=False), mesh=dp_mesh, reshard_after_forward=size)
 
 
 @dataclass

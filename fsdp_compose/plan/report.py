@@ -38,7 +38,8 @@ def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str
 
 def _describe(result: PlanResult) -> list[str]:
     config, record = result.config, result.record
-    precision = f"params {config.param_dtype or 'as stored'}, reduce {config.reduce_dtype or 'as params'}"
+    reduce = config.reduce_dtype or "as param_dtype"
+    precision = f"param_dtype {config.param_dtype or 'as stored'}, reduce_dtype {reduce}"
     raf = config.reshard_after_forward
     seq = record.seq_len
     return [

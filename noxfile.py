@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint, typecheck, docs, bench. Each installs what it needs into its own venv."""
+"""nox sessions: tests, lint, typecheck, docs, plan, bench. Each installs what it needs into its own venv."""
 
 from __future__ import annotations
 
@@ -49,6 +49,16 @@ def docs(session: nox.Session) -> None:
     session.run(*torchrun, "examples/train_gpt.py", "--steps", "3")
     session.run(*torchrun, "examples/lora_finetune.py", "--steps", "3", "--unfreeze-at", "2")
     session.run(*torchrun, "examples/tour.py")
+
+
+@nox.session
+def plan(session: nox.Session) -> None:
+    """The planner: its tests, then a plan of the README's 70B command (posargs replace the CLI arguments)."""
+    session.install(TORCH)
+    session.install("-e", ".[test,plot]")
+    session.run("pytest", "tests/test_plan.py")
+    args = session.posargs or ["--model", "llama-70b", "--world-size", "1024", "--param-dtype", "bf16"]
+    session.run("python", "-m", "fsdp_compose.plan", *args)
 
 
 @nox.session

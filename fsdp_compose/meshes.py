@@ -17,6 +17,7 @@ on the data-parallel dims.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DataParallelMesh",
@@ -259,6 +262,8 @@ def post_forward_group(mesh: DeviceMesh, size: int) -> PostForwardGroup:
 
 
 _REDUCE_SCATTER_GROUP_DESC = "fsdp_compose_reduce_scatter"
+# Attribute on a root DeviceMesh caching the reduce-scatter groups of its dims, by dim name (see below).
+_REDUCE_SCATTER_GROUPS_ATTR = "_fsdp_compose_reduce_scatter_groups"
 
 
 def reduce_scatter_group(dp: DataParallelMesh) -> dist.ProcessGroup:
@@ -268,18 +273,38 @@ def reduce_scatter_group(dp: DataParallelMesh) -> dist.ProcessGroup:
     in the same order on every rank: a unit whose output reaches the loss on some ranks only reduces at its
     post-backward on those ranks and in the final callback on the others, while the all-gathers of the remaining
     backward go on in between (on NCCL the two also overlap). Reduce-scatters themselves follow one fixed order
-    (see step.py). One group per set of ranks: an existing one is found again in torch's own registry of groups,
-    so units built on separate but equal meshes (``mesh=None`` builds one per call) share it. Only the member ranks
-    take part in creating it.
+    (see step.py).
+
+    Creating groups is collective over the default group, and every rank must make the same calls in the same
+    order (torch names groups by a per-process counter), so the groups are made for every shard group of the root
+    mesh at once: when the shard group is the whole world, one group, found again in torch's registry by any later
+    unit (``mesh=None`` builds a mesh per call); for a named dim of a root mesh spanning the world, one group per
+    slice of that dim, cached on the root mesh. Other meshes (an unnamed mesh over part of the world, a root mesh
+    over part of it) reduce-scatter on the shard group itself, and rely on every rank using the same units.
     """
     if dp.shard_size == 1:
         return dp.shard_group
+    world = dist.get_world_size()
     ranks = sorted(dist.get_process_group_ranks(dp.shard_group))
-    registry: dict[dist.ProcessGroup, dict[int, int]] = dist.distributed_c10d._world.pg_group_ranks
-    for group, members in registry.items():
-        if sorted(members) == ranks and getattr(group, "group_desc", None) == _REDUCE_SCATTER_GROUP_DESC:
-            return group
-    created: dist.ProcessGroup = dist.new_group(
-        ranks, use_local_synchronization=True, group_desc=_REDUCE_SCATTER_GROUP_DESC
-    )
-    return created
+    if len(ranks) == world:
+        registry: dict[dist.ProcessGroup, dict[int, int]] = dist.distributed_c10d._world.pg_group_ranks
+        for group, members in registry.items():
+            if len(members) == world and getattr(group, "group_desc", None) == _REDUCE_SCATTER_GROUP_DESC:
+                return group
+        created: dist.ProcessGroup = dist.new_group(ranks, group_desc=_REDUCE_SCATTER_GROUP_DESC)
+        return created
+    mesh = dp.mesh
+    names = mesh.mesh_dim_names
+    root = _root(mesh)
+    root_names = root.mesh_dim_names or ()
+    if names is None or names[-1] not in root_names or root.mesh.numel() != world:
+        logger.debug("reduce-scatters of mesh %s share the all-gather group", mesh)
+        return dp.shard_group
+    cache: dict[str, dist.ProcessGroup] = root.__dict__.setdefault(_REDUCE_SCATTER_GROUPS_ATTR, {})
+    name = names[-1]
+    if name not in cache:
+        slices = root.mesh.movedim(root_names.index(name), -1).reshape(-1, dp.shard_size).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(slices, group_desc=_REDUCE_SCATTER_GROUP_DESC)
+        assert group is not None
+        cache[name] = group
+    return cache[name]

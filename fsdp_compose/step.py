@@ -108,6 +108,7 @@ class StepContext:
                 # left from one: free them (the next gather sees any update made since, also through ``.data``).
                 if unit.state is not UnitState.SHARDED:
                     unit.reshard()
+            unit.adopt_if_changed()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
             state.reset_step()
             # The cheap per-step trainability check: one bool comparison per parameter.
             if state.auto_refresh_trainable and unit.refresh_trainable():
@@ -257,7 +258,7 @@ class StepContext:
         """A backward that never reached its final callback (it raised): complete what every rank issued, drop the
         gradients it held (partial: the failed micro-batch's are mixed in), reshard everything."""
         logger.warning(
-            "%s: the previous backward did not finish (an exception?): its pending gradients are dropped",
+            "%s: the step did not finish (an exception, or fc.reset_step): gradients not yet in .grad are dropped",
             self.root.unit.owner_name,
         )
         for state in self.states:

@@ -195,9 +195,10 @@ class ShardedUnit:
         return any(mp.sharded._version != mp.gathered_version for mp in self.params)
 
     # ------------------------------------------------------------------ re-adopting changed parameters
-    def _adopt_if_changed(self) -> None:
-        """Before a gather: pick up parameters replaced or cast since the last one (see ``FlatShard.adopt``)."""
-        if self.shards.views_intact():
+    def adopt_if_changed(self) -> None:
+        """Pick up parameters replaced or cast since the last gather (see ``FlatShard.adopt``). Runs at the start of
+        every step, before anything picks a compute dtype from the parameters' dtype, and before each gather."""
+        if self.state is not UnitState.SHARDED or self.shards.views_intact():
             return
         before = self.shards.dtype
         self.shards.adopt()
@@ -221,7 +222,7 @@ class ShardedUnit:
             self._to(UnitState.SHARDED)  # gathered in another precision since: gather from the shards
         if self.state is not UnitState.SHARDED:
             return
-        self._adopt_if_changed()
+        self.adopt_if_changed()
         self.compute_dtype = dtype
         transform = self.extensions.all_gather
         numel = self.layout.segment_numel

@@ -1,0 +1,516 @@
+"""One measured training step of a sharded model: the same code for the planner (fake process group, fake tensors)
+and for a real run (gloo, NCCL), so their figures can be compared one to one.
+
+:func:`measure_step` builds the model from a :class:`PlanConfig` (tensor parallelism first, then ``fc.fully_shard``
+on every block and the root), runs ``warmup_steps`` steps (lazy initialization, optimizer state), then one step
+under a :class:`~fsdp_compose.plan.live_bytes.LiveBytesCounter` with phases ``forward`` (model and loss),
+``backward`` and ``optimizer`` (step, then ``zero_grad(set_to_none=True)``), counting collectives from the same ops.
+Storages are labelled by what they are: known objects before the step (sharded parameters, optimizer state), the
+full parameters a unit registers (seen by a forward pre-hook that runs after fsdp_compose's), the buffers each
+collective reads or fills, and the gradients of full parameters; the rest is activations and temporaries.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+import fsdp_compose as fc
+
+from .comm import CollectiveTally
+from .live_bytes import DEFAULT_LABEL, LiveBytesCounter, live_storage_keys, storages_of, tensors_since
+from .models import ModelSpec, load_model_spec
+
+__all__ = ["MeshSetup", "PlanConfig", "StepRecord", "build_mesh", "measure_step"]
+
+SHARDED_PARAMS = "sharded parameters"
+SHARDED_GRADS = "sharded gradients"
+OPTIMIZER_STATE = "optimizer state"
+GATHERED = "gathered parameters"
+UNSHARDED_GRADS = "unsharded gradients"
+ALL_GATHER = "all-gather buffers"
+REDUCE_SCATTER_IN = "reduce-scatter input"
+REDUCE_SCATTER_OUT = "reduce-scatter output"
+ALL_REDUCE = "all-reduce buffers"
+BATCH = "batch"
+CATEGORIES = (
+    SHARDED_PARAMS,
+    SHARDED_GRADS,
+    OPTIMIZER_STATE,
+    GATHERED,
+    ALL_GATHER,
+    UNSHARDED_GRADS,
+    REDUCE_SCATTER_IN,
+    REDUCE_SCATTER_OUT,
+    ALL_REDUCE,
+    DEFAULT_LABEL,
+    BATCH,
+)
+PHASES = ("forward", "backward", "optimizer")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "none")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What to build and how to train it. ``world_size = replicate x shard x tp``.
+
+    ``replicate > 1``: HSDP (``(replicate, shard)`` mesh). ``tp > 1``: the model's tensor-parallel plan on the last
+    mesh dimension, FSDP over the others. ``reshard_after_forward`` applies to the blocks; the root keeps
+    fsdp_compose's default (kept gathered). ``foreach``: the optimizer's multi-tensor implementation (torch's
+    default on CUDA; on CPU torch defaults to the per-parameter loop). ``batch_size`` and ``seq_len`` are per
+    data-parallel rank;
+    ``seq_len=None`` takes the model's own ``seq_len`` (else 2048). ``rank``: which rank to simulate.
+    ``warmup_steps``: steps before the measured one (default: see :attr:`warmup`).
+    """
+
+    model: str = "gpt"
+    model_args: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 8
+    replicate: int = 1
+    tp: int = 1
+    rank: int = 0
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    optimizer: str = "adamw"
+    foreach: bool = False
+    reshard_after_forward: bool | int = True
+    batch_size: int = 1
+    seq_len: int | None = None
+    activation_checkpointing: bool = False
+    warmup_steps: int | None = None
+
+    @property
+    def shard(self) -> int:
+        return self.world_size // (self.replicate * self.tp)
+
+    def validate(self) -> None:
+        if self.world_size < 1 or self.replicate < 1 or self.tp < 1:
+            raise ValueError("world_size, replicate and tp must be positive")
+        if self.world_size % (self.replicate * self.tp):
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by replicate x tp = {self.replicate * self.tp}"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        for dtype in (self.param_dtype, self.reduce_dtype):
+            if dtype is not None and dtype not in DTYPES:
+                raise ValueError(f"unknown dtype {dtype!r}; one of {sorted(DTYPES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; one of {OPTIMIZERS}")
+        if self.warmup_steps is not None and self.warmup_steps < 1:
+            raise ValueError("warmup_steps must be at least 1 (lazy initialization and optimizer state)")
+
+    @property
+    def warmup(self) -> int:
+        """Steps before the measured one: 1 (lazy initialization, optimizer state), 2 for SGD with momentum, whose
+        first step creates the momentum buffer by a copy and only the second one runs the steady-state update."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return 2 if self.optimizer == "sgd-momentum" else 1
+
+    def mesh_dims(self) -> dict[str, int]:
+        dims = {"replicate": self.replicate} if self.replicate > 1 else {}
+        dims["shard"] = self.shard
+        if self.tp > 1:
+            dims["tp"] = self.tp
+        return dims
+
+    def mesh_name(self) -> str:
+        return " x ".join(f"{name} {size}" for name, size in self.mesh_dims().items())
+
+
+@dataclass
+class MeshSetup:
+    mesh: DeviceMesh
+    dp_mesh: DeviceMesh
+    tp_mesh: DeviceMesh | None
+    group_labels: dict[str, str]
+
+
+def build_mesh(config: PlanConfig, device_type: str = "cpu", mesh: DeviceMesh | None = None) -> MeshSetup:
+    """The mesh of ``config`` (built over the default process group, or ``mesh`` when given: its shape and
+    dimension names must be :meth:`PlanConfig.mesh_dims`'s), and the name of each dimension's process group."""
+    config.validate()
+    dims = config.mesh_dims()
+    names = tuple(dims)
+    if mesh is None:
+        mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=names)
+    elif tuple(mesh.mesh_dim_names or ()) != names or tuple(mesh.shape) != tuple(dims.values()):
+        raise ValueError(f"mesh {mesh} does not match the configuration's {dims}")
+    dp_names = tuple(name for name in names if name != "tp")
+    dp_mesh = mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]]
+    tp_mesh = mesh["tp"] if "tp" in dims else None
+    labels = {str(mesh.get_group(name).group_name): name for name in names}
+    setting = config.reshard_after_forward
+    if not isinstance(setting, bool) and 1 < setting < config.shard:
+        _make_post_forward_groups(dp_mesh, setting, mesh.device_type)
+    return MeshSetup(mesh, dp_mesh, tp_mesh, labels)
+
+
+def _make_post_forward_groups(dp_mesh: DeviceMesh, size: int, device_type: str) -> None:
+    """Have fsdp_compose create the groups of ``reshard_after_forward=size`` now, outside ``FakeTensorMode``.
+
+    fully_shard cuts them from the mesh (``DeviceMesh._unflatten``, which builds a rank tensor and cannot run under
+    FakeTensorMode) and caches them on the mesh object for every later unit (docs/design.md); sharding a one-element
+    module here fills that cache, so the model's units, sharded under FakeTensorMode, reuse the groups.
+    """
+    with torch.device(device_type):
+        fc.fully_shard(nn.Linear(1, 1, bias=False), mesh=dp_mesh, reshard_after_forward=size)
+
+
+@dataclass
+class Setup:
+    spec: ModelSpec
+    optimizer: torch.optim.Optimizer | None
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    units: dict[str, nn.Module]  # name -> sharded module (blocks first, then "root")
+    unit_params: dict[str, list[ParamInfo]]  # name -> what fully_shard got (TP-local shapes), before sharding
+    seq_len: int
+    optimizer_shapes: list[tuple[int, ...]]  # trainable parameters in the optimizer's order, as fully_shard got them
+
+
+def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """A parameter as ``fully_shard`` receives it: the shape it shards (the TP-local shape under TP)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    trainable: bool
+
+
+def unit_params(units: list[tuple[str, nn.Module]]) -> dict[str, list[ParamInfo]]:
+    """Each unit's parameters in sharding order (inner units first; a parameter belongs to the first unit that has
+    it, as ``fully_shard`` assigns them), described by their local tensor."""
+    owned: set[int] = set()
+    result: dict[str, list[ParamInfo]] = {}
+    for name, module in units:
+        infos = []
+        for param in module.parameters():
+            if id(param) in owned:
+                continue
+            owned.add(id(param))
+            local = param.to_local() if isinstance(param, DTensor) else param
+            infos.append(ParamInfo(_local_shape(param), local.dtype, param.requires_grad))
+        result[name] = infos
+    return result
+
+
+def _make_optimizer(kind: str, params: list[nn.Parameter], foreach: bool) -> torch.optim.Optimizer | None:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, foreach=foreach)
+    if kind == "sgd-momentum":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=foreach)
+    return None
+
+
+def build(config: PlanConfig, mesh: MeshSetup) -> Setup:
+    """The model of ``config`` with tensor parallelism (if any), sharded block by block and then at the root."""
+    spec = load_model_spec(config.model, config.model_args, activation_checkpointing=config.activation_checkpointing)
+    model = spec.model
+    if mesh.tp_mesh is not None:
+        if spec.tp_plan is None:
+            raise ValueError(f"model {config.model!r} has no tensor-parallel plan; give its ModelSpec a tp_plan")
+        spec.tp_plan(model, mesh.tp_mesh)
+    dtype = {name: DTYPES[value] for name, value in (("p", config.param_dtype), ("r", config.reduce_dtype)) if value}
+    policy = fc.MixedPrecisionPolicy(param_dtype=dtype.get("p"), reduce_dtype=dtype.get("r"))
+    names = {id(module): name for name, module in model.named_modules()}
+    infos = unit_params([(names[id(unit)], unit) for unit in spec.units] + [("root", model)])
+    order = [_local_shape(p) for p in model.parameters() if p.requires_grad]
+    units: dict[str, nn.Module] = {}
+    for unit in spec.units:
+        fc.fully_shard(unit, mesh=mesh.dp_mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy)
+        units[names[id(unit)]] = unit
+    fc.fully_shard(model, mesh=mesh.dp_mesh, mp_policy=policy)
+    units["root"] = model
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=mesh.mesh.device_type)
+    optimizer = _make_optimizer(config.optimizer, [p for p in model.parameters() if p.requires_grad], config.foreach)
+    seq_len = config.seq_len or int(spec.description.get("seq_len", 2048))
+    inputs, targets = spec.make_batch(config.batch_size, seq_len)
+    return Setup(spec, optimizer, inputs, targets, units, infos, seq_len, order)
+
+
+def _own_params(unit: nn.Module, others: set[int]) -> Iterator[torch.Tensor]:
+    """The tensors registered as parameters on ``unit`` and its submodules, skipping other units' subtrees."""
+    stack = [unit]
+    while stack:
+        module = stack.pop()
+        yield from (p for p in module._parameters.values() if p is not None)
+        stack.extend(child for child in module.children() if id(child) not in others)
+
+
+class UnitWatcher:
+    """Forward pre-hooks (after fsdp_compose's) that note each unit's full parameters and their storages."""
+
+    def __init__(self, units: dict[str, nn.Module]) -> None:
+        self.counter: LiveBytesCounter | None = None
+        self.storages: dict[int, tuple[weakref.ref[torch.UntypedStorage], str]] = {}
+        self.params: dict[int, weakref.ref[torch.Tensor]] = {}
+        ids = {id(module) for module in units.values()}
+        self._handles: list[RemovableHandle] = []
+        for name, module in units.items():
+            hook = self._hook(name, module, ids - {id(module)})
+            self._handles.append(module.register_forward_pre_hook(hook))
+
+    def _hook(self, name: str, unit: nn.Module, others: set[int]) -> Any:
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            for param in _own_params(unit, others):
+                if isinstance(param, nn.Parameter) and _is_sharded(param):
+                    continue  # not gathered (kept sharded, or this unit is resharded)
+                self.params.setdefault(id(param), weakref.ref(param))
+                for st in storages_of(param):
+                    self.storages.setdefault(st._cdata, (weakref.ref(st), name))
+                    if self.counter is not None:
+                        self.counter.watch([st])
+                        self.counter.label([st], f"{GATHERED} [{name}]")
+
+        return pre_forward
+
+    def label_known(self, counter: LiveBytesCounter) -> None:
+        self.counter = counter
+        for ref, name in self.storages.values():
+            st = ref()
+            if st is not None:
+                counter.watch([st])  # fsdp_compose frees and re-grows them with UntypedStorage.resize_
+                counter.label([st], f"{GATHERED} [{name}]")
+
+    def label_grads(self) -> None:
+        counter = self.counter
+        if counter is None or counter.phase != "backward":
+            return
+        for ref in self.params.values():
+            param = ref()
+            if param is not None and param.grad is not None:
+                counter.label([param.grad], UNSHARDED_GRADS)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self.counter = None
+
+
+def _is_sharded(param: nn.Parameter) -> bool:
+    """A parameter registered as fsdp_compose's sharded DTensor (its placements include a data-parallel shard)."""
+    if not isinstance(param, DTensor):
+        return False
+    names = param.device_mesh.mesh_dim_names or ()
+    return "shard" in names
+
+
+def _distinct_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        for st in storages_of(tensor):
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def _local_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    total = 0
+    for tensor in tensors:
+        local = getattr(tensor, "_local_tensor", tensor)
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+@dataclass
+class StepRecord:
+    """What one rank holds and moves in the measured step. Bytes are storage bytes (padding included)."""
+
+    config: dict[str, Any]
+    model: dict[str, Any]  # the model's description (a preset's config fields)
+    mesh: dict[str, int]
+    seq_len: int
+    parameters: int
+    units: int
+    sharded_param_bytes: int
+    sharded_param_local_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    baseline_bytes: int
+    peaks: dict[str, int]
+    peak_ops: dict[str, str]
+    breakdown: dict[str, dict[str, int]]
+    gathered_at_peak: dict[str, dict[str, int]]
+    collectives: dict[str, dict[str, dict[str, int]]]
+    unknown_collectives: dict[str, int]
+    backend_temporaries_bytes: int
+    ops: int
+    sharding_propagations: int  # DTensor sharding-propagation cache misses in the measured step (see _notes)
+    unit_params: dict[str, list[ParamInfo]] = field(default_factory=dict, repr=False)
+    optimizer_shapes: list[tuple[int, ...]] = field(default_factory=list, repr=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.peaks.values())
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(g["bytes"] for groups in self.collectives.values() for g in groups.values())
+
+    def collective_calls(self) -> int:
+        return sum(g["calls"] for groups in self.collectives.values() for g in groups.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (without ``unit_params``)."""
+        result = asdict(self)
+        del result["unit_params"], result["optimizer_shapes"]
+        return result
+
+
+def _roll_up(labels: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    categories: dict[str, int] = {}
+    gathered: dict[str, int] = {}
+    for name, nbytes in labels.items():
+        if name.startswith(GATHERED):
+            gathered[name[len(GATHERED) + 2 : -1]] = nbytes
+            name = GATHERED
+        categories[name] = categories.get(name, 0) + nbytes
+    ordered = {name: categories[name] for name in CATEGORIES if categories.get(name)}
+    ordered.update({name: n for name, n in categories.items() if name not in ordered and n})
+    return ordered, gathered
+
+
+class _Step:
+    """Runs the training step; labels collective buffers from the ops the counter sees."""
+
+    def __init__(self, setup: Setup, counter: LiveBytesCounter | None, tally: CollectiveTally | None) -> None:
+        self.setup, self.counter, self.tally = setup, counter, tally
+        self.grad_bytes = 0
+
+    def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        assert self.tally is not None and self.counter is not None
+        op = self.tally.observe(func, args, out)
+        if op is None or op.group == "tp":
+            return  # tensor-parallel collectives move activations
+        if op.kind == "all_gather":
+            self.counter.label(op.outputs + op.inputs, ALL_GATHER)
+        elif op.kind == "reduce_scatter":
+            self.counter.label(op.inputs, REDUCE_SCATTER_IN)
+            self.counter.label(op.outputs, REDUCE_SCATTER_OUT)
+        elif op.kind == "all_reduce":
+            self.counter.label(op.outputs, ALL_REDUCE)
+
+    def phase(self, name: str) -> None:
+        if self.counter is not None:
+            self.counter.set_phase(name)
+
+    def run(self) -> None:
+        setup = self.setup
+        self.phase("forward")
+        loss = setup.spec.loss(setup.spec.model(setup.inputs), setup.targets)
+        self.phase("backward")
+        loss.backward()
+        del loss
+        grads = [p.grad for p in setup.spec.model.parameters() if p.grad is not None]
+        self.grad_bytes = _distinct_bytes(grads)
+        del grads
+        self.phase("optimizer")
+        if setup.optimizer is not None:
+            setup.optimizer.step()
+            setup.optimizer.zero_grad(set_to_none=True)
+        else:
+            for p in setup.spec.model.parameters():
+                p.grad = None
+
+
+def _sharding_cache_misses() -> int:
+    """DTensor's sharding-propagation cache misses so far (its C++ and Python caches; 0 where torch does not say)."""
+    misses = 0
+    stats = getattr(torch._C, "_get_DTensor_sharding_propagator_cache_stats", None)
+    if stats is not None:
+        misses += int(stats()[1])
+    cache = getattr(DTensor._op_dispatcher.sharding_propagator, "propagate_op_sharding", None)
+    info = getattr(cache, "cache_info", None)
+    if info is not None:
+        misses += int(info().misses)
+    return misses
+
+
+def measure_step(
+    config: PlanConfig, mesh: MeshSetup, *, fake: bool = False, refresh: Literal["all", "watched"] = "watched"
+) -> StepRecord:
+    """Build, warm up and measure one step of ``config`` on ``mesh`` (this process is one rank).
+
+    ``fake``: the process runs under ``FakeTensorMode`` (its storages are meta storages; see :mod:`.simulate`).
+    Storages first seen as op inputs that nobody registered are a backend's own temporaries (gloo's copy of a
+    reduce-scatter input): they are left out of the peak and reported as ``backend_temporaries_bytes``.
+    ``refresh``: see :class:`LiveBytesCounter` (``"all"`` re-reads every storage after every op: slower, a check).
+    """
+    snapshot = live_storage_keys(fake=fake)
+    setup = build(config, mesh)
+    watcher = UnitWatcher(setup.units)
+    try:
+        for _ in range(config.warmup):
+            _Step(setup, None, None).run()
+        counter = LiveBytesCounter(unseen="ignore", see_through_subclasses=True, refresh=refresh)
+        tally = CollectiveTally(mesh.group_labels)
+        counter.register(tensors_since(snapshot, fake=fake))
+        del snapshot
+        model = setup.spec.model
+        params = list(model.parameters())
+        counter.label(params, SHARDED_PARAMS, replace=True)
+        counter.label([p.grad for p in params if p.grad is not None], SHARDED_GRADS, replace=True)
+        counter.label(_optimizer_tensors(setup.optimizer), OPTIMIZER_STATE, replace=True)
+        counter.label([setup.inputs, setup.targets], BATCH)
+        watcher.label_known(counter)
+        step = _Step(setup, counter, tally)
+        counter.on_op = step.on_op
+        counter.on_new_peak = watcher.label_grads
+        misses = _sharding_cache_misses()
+        with counter:
+            step.run()
+        counter.close()
+        misses = _sharding_cache_misses() - misses
+    finally:
+        watcher.remove()
+    breakdown: dict[str, dict[str, int]] = {}
+    gathered: dict[str, dict[str, int]] = {}
+    for phase in PHASES:
+        breakdown[phase], gathered[phase] = _roll_up(counter.breakdown(phase))
+    return StepRecord(
+        config=asdict(config),
+        model=dict(setup.spec.description),
+        mesh=config.mesh_dims(),
+        seq_len=setup.seq_len,
+        parameters=sum(p.numel() for p in params),
+        units=len(setup.units),
+        sharded_param_bytes=_distinct_bytes(params),
+        sharded_param_local_bytes=_local_bytes(params),
+        grad_bytes=step.grad_bytes,
+        optimizer_bytes=_distinct_bytes(_optimizer_tensors(setup.optimizer)),
+        baseline_bytes=counter.baseline_bytes,
+        peaks={phase: counter.phase_peaks.get(phase, 0) for phase in PHASES},
+        peak_ops={phase: counter.phase_peak_op.get(phase, "") for phase in PHASES},
+        breakdown=breakdown,
+        gathered_at_peak=gathered,
+        collectives=tally.as_dict(),
+        unknown_collectives=dict(tally.unknown),
+        backend_temporaries_bytes=counter.ignored_peak_bytes,
+        ops=counter.ops,
+        sharding_propagations=misses,
+        unit_params=setup.unit_params,
+        optimizer_shapes=setup.optimizer_shapes,
+    )

@@ -1,0 +1,194 @@
+"""The planner (``fsdp_compose.plan``): simulated ranks against real gloo runs, the closed-form state and peak
+model, and the CLI.
+
+The planner runs in this (pytest) process on torch's fake process group; the real runs use the gloo pools. Both
+measure with the same harness (``measure_step``), so any difference comes from the simulation itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fsdp_compose.plan as fp
+from fsdp_compose.plan.__main__ import main as plan_cli
+from fsdp_compose.plan.analytic import sharded_state
+from fsdp_compose.plan.models import GPT, GPTConfig
+from fsdp_compose.plan.simulate import fake_process_group, fake_tensors
+from fsdp_compose.plan.step import ParamInfo, PlanConfig, build_mesh, measure_step
+from tests.dist_utils import mesh_nd
+
+SMALL_GPT = {"dim": 24, "n_heads": 2, "vocab_size": 61, "n_layers": 2, "seq_len": 11}
+
+
+def _gloo_step(rank: int, world_size: int, config: PlanConfig) -> dict[str, Any]:
+    """One measured step on this gloo rank (the mesh is cached per worker, as the other tests do)."""
+    dims = config.mesh_dims()
+    mesh = mesh_nd(tuple(dims.values()), tuple(dims))
+    return measure_step(replace(config, rank=rank), build_mesh(config, mesh=mesh)).as_dict()
+
+
+PARITY = {
+    "1d-2": PlanConfig(model="gpt", model_args=SMALL_GPT, world_size=2, batch_size=2),
+    "1d-4-bf16-sgd-reshard2": PlanConfig(
+        model="gpt",
+        model_args=SMALL_GPT,
+        world_size=4,
+        batch_size=2,
+        optimizer="sgd-momentum",
+        param_dtype="bf16",
+        reduce_dtype="fp32",
+        reshard_after_forward=2,
+    ),
+    "hsdp-2x2": PlanConfig(model="gpt", model_args=SMALL_GPT, world_size=4, replicate=2, batch_size=2),
+    "tp-2x2": PlanConfig(model="gpt", model_args=SMALL_GPT, world_size=4, tp=2, batch_size=2),
+}
+
+
+@pytest.mark.parametrize("name", list(PARITY))
+def test_planner_matches_gloo_run(run_dist: Any, name: str) -> None:
+    config = PARITY[name]
+    real = run_dist(config.world_size, _gloo_step, config)
+    ranks = (0, config.world_size - 1) if name.startswith("1d-4") else (0,)
+    planned_peaks = []
+    for rank in ranks:
+        planned = fp.plan(replace(config, rank=rank)).record
+        planned_peaks.append(planned.peak_bytes)
+        measured = real[rank]
+        for phase, peak in measured["peaks"].items():
+            assert planned.peaks[phase] == pytest.approx(peak, rel=0.05), (rank, phase)
+        assert planned.collectives.keys() == measured["collectives"].keys()
+        for kind, groups in measured["collectives"].items():
+            assert planned.collectives[kind].keys() == groups.keys(), kind
+            for group, figures in groups.items():
+                assert planned.collectives[kind][group]["calls"] == figures["calls"], (kind, group)
+                assert planned.collectives[kind][group]["bytes"] == pytest.approx(figures["bytes"], rel=0.05)
+        for field in ("sharded_param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert getattr(planned, field) == measured[field], field
+    # rank 0 holds the most rows (torch.chunk): the planner's default rank bounds every rank's peak
+    assert max(max(r["peaks"].values()) for r in real) <= planned_peaks[0] * 1.05
+
+
+def test_watched_refresh_equals_full_refresh() -> None:
+    """The planner re-reads only the storages that can change size outside ops; re-reading all gives the same."""
+    config = PlanConfig(model="gpt", model_args={**SMALL_GPT, "n_layers": 1}, world_size=16, batch_size=2)
+    records = []
+    for refresh in ("all", "watched"):
+        with fake_process_group(config.world_size):
+            mesh = build_mesh(config)
+            with fake_tensors():
+                records.append(measure_step(config, mesh, fake=True, refresh=refresh))  # type: ignore[arg-type]
+    assert records[0].peaks == records[1].peaks
+    assert records[0].breakdown == records[1].breakdown
+
+
+# ---------------------------------------------------------------------- closed forms
+def _chunk_rows(dim0: int, world_size: int, rank: int) -> int:
+    chunks = torch.empty(dim0, 0).chunk(world_size)  # torch.chunk's own split (may give fewer chunks)
+    return chunks[rank].shape[0] if rank < len(chunks) else 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(1, 70), min_size=1, max_size=3), min_size=1, max_size=6),
+    world_size=st.integers(1, 1024),
+    data=st.data(),
+)
+def test_state_formula_is_torch_chunk_padded(shapes: list[list[int]], world_size: int, data: Any) -> None:
+    """Parameters: every rank's rows padded to ceil(dim0 / W); optimizer state: the rank's real torch.chunk rows."""
+    rank = data.draw(st.integers(0, world_size - 1))
+    infos = [ParamInfo(tuple(shape), torch.float32, True) for shape in shapes]
+    state = sharded_state({"u": infos}, PlanConfig(world_size=world_size, rank=rank))
+    rest = [math.prod(shape[1:]) for shape in shapes]
+    assert state.params == sum(-(-s[0] // world_size) * r * 4 for s, r in zip(shapes, rest, strict=True))
+    assert state.grads == state.params + 4 * len(shapes)  # one "had a gradient" flag per parameter
+    local = sum(_chunk_rows(s[0], world_size, rank) * r for s, r in zip(shapes, rest, strict=True))
+    assert state.optimizer == 2 * 4 * local + 4 * len(shapes)  # AdamW: exp_avg, exp_avg_sq, step
+
+
+gpt_shapes = st.fixed_dictionaries(
+    {
+        "n_heads": st.integers(1, 4),
+        "head_dim": st.integers(1, 12).map(lambda x: 2 * x),
+        "vocab_size": st.integers(3, 600),
+        "n_layers": st.integers(1, 2),
+        "seq_len": st.integers(2, 24),
+        "mlp_ratio": st.sampled_from([1, 2, 4]),
+    }
+)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shape=gpt_shapes,
+    world_size=st.sampled_from([8, 12, 64, 100, 256, 1000, 1024]),
+    batch=st.integers(1, 3),
+    optimizer=st.sampled_from(["adamw", "sgd", "sgd-momentum"]),
+)
+def test_simulated_ranks_match_analytic_model(
+    shape: dict[str, int], world_size: int, batch: int, optimizer: str
+) -> None:
+    """8..1024 ranks: sharded state exactly the padded torch.chunk formula, peaks within 5% of the analytic model
+    (docs/planner.md), all-gather bytes the minimum and reduce-scatter bytes the minimum plus one flag per
+    parameter."""
+    args = {k: v for k, v in shape.items() if k != "head_dim"}
+    args["dim"] = shape["n_heads"] * shape["head_dim"]
+    config = PlanConfig(model="gpt", model_args=args, world_size=world_size, batch_size=batch, optimizer=optimizer)
+    result = fp.plan(config)
+    record = result.record
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**args))
+    params = list(model.parameters())
+    padded = sum(-(-p.shape[0] // world_size) * math.prod(p.shape[1:]) * 4 for p in params)
+    assert record.sharded_param_bytes == padded == result.state.params
+    assert record.grad_bytes == padded + 4 * len(params) == result.state.grads
+    assert record.optimizer_bytes == result.state.optimizer
+    assert result.peak_model is not None
+    for phase, peak in result.peak_model.peaks.items():
+        assert record.peaks[phase] == pytest.approx(peak, rel=0.05), phase
+    assert record.collectives["all_gather"]["shard"]["bytes"] == result.min_collectives["all_gather"]
+    flags = world_size * len(params) * 4
+    assert record.collectives["reduce_scatter"]["shard"]["bytes"] == result.min_collectives["reduce_scatter"] + flags
+
+
+# ---------------------------------------------------------------------- CLI
+def test_cli_table_json_and_sweep_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    one = tmp_path / "plan.json"
+    args = ["--model", "gpt", "--model-arg", "n_layers=1", "--batch-size", "2"]
+    assert plan_cli([*args, "--world-size", "16", "--json", str(one)]) == 0
+    table = capsys.readouterr().out
+    assert "peak during backward" in table and "all_gather" in table and "note:" in table
+    payload = json.loads(one.read_text())
+    assert payload["measured"]["mesh"] == {"shard": 16}
+    assert payload["analytic"]["state"]["params"] == payload["measured"]["sharded_param_bytes"]
+    sweep_json = tmp_path / "sweep.json"
+    extra: list[str] = []
+    if _has_matplotlib():
+        extra = ["--plot", str(tmp_path / "sweep.png")]
+    assert plan_cli([*args, "--sweep", "8,2x8", "--json", str(sweep_json), *extra]) == 0
+    out = capsys.readouterr().out
+    assert "[1/2] planning 8 ranks" in out and "[2/2] done" in out
+    assert [r["measured"]["mesh"] for r in json.loads(sweep_json.read_text())] == [
+        {"shard": 8},
+        {"replicate": 2, "shard": 8},
+    ]
+    if extra:
+        assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert plan_cli([*args, "--world-size", "6", "--tp", "4"]) == 2  # not divisible: a clear error
+    assert "not divisible" in capsys.readouterr().err
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -30,6 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "REDUCE_SCATTER_GROUP_DESC",
     "DataParallelMesh",
     "ParamPlacing",
     "PostForwardGroup",
@@ -245,6 +247,18 @@ def post_forward_group(mesh: DeviceMesh, size: int) -> PostForwardGroup:
     shard_dim = mesh.ndim - 1
     shard_size = mesh.size(shard_dim)
     names = mesh.mesh_dim_names
+    with unset_fake_temporarily():  # mesh bookkeeping uses real tensors, also while planning under fake tensors
+        return _new_post_forward_group(mesh, size, shard_dim, shard_size, names, cache)
+
+
+def _new_post_forward_group(
+    mesh: DeviceMesh,
+    size: int,
+    shard_dim: int,
+    shard_size: int,
+    names: tuple[str, ...] | None,
+    cache: dict[int, PostForwardGroup],
+) -> PostForwardGroup:
     if names is not None:
         # Splitting the shard dim with DeviceMesh keeps group creation consistent on every rank of the root mesh,
         # including for a data-parallel submesh of a (dp, tp) mesh.
@@ -261,7 +275,7 @@ def post_forward_group(mesh: DeviceMesh, size: int) -> PostForwardGroup:
     return result
 
 
-_REDUCE_SCATTER_GROUP_DESC = "fsdp_compose_reduce_scatter"
+REDUCE_SCATTER_GROUP_DESC = "fsdp_compose_reduce_scatter"
 # Attribute on a root DeviceMesh caching the reduce-scatter groups of its dims, by dim name (see below).
 _REDUCE_SCATTER_GROUPS_ATTR = "_fsdp_compose_reduce_scatter_groups"
 
@@ -289,22 +303,23 @@ def reduce_scatter_group(dp: DataParallelMesh) -> dist.ProcessGroup:
     if len(ranks) == world:
         registry: dict[dist.ProcessGroup, dict[int, int]] = dist.distributed_c10d._world.pg_group_ranks
         for group, members in registry.items():
-            if len(members) == world and getattr(group, "group_desc", None) == _REDUCE_SCATTER_GROUP_DESC:
+            if len(members) == world and getattr(group, "group_desc", None) == REDUCE_SCATTER_GROUP_DESC:
                 return group
-        created: dist.ProcessGroup = dist.new_group(ranks, group_desc=_REDUCE_SCATTER_GROUP_DESC)
+        created: dist.ProcessGroup = dist.new_group(ranks, group_desc=REDUCE_SCATTER_GROUP_DESC)
         return created
     mesh = dp.mesh
     names = mesh.mesh_dim_names
     root = _root(mesh)
     root_names = root.mesh_dim_names or ()
-    if names is None or names[-1] not in root_names or root.mesh.numel() != world:
+    if names is None or names[-1] not in root_names or root.size() != world:
         logger.debug("reduce-scatters of mesh %s share the all-gather group", mesh)
         return dp.shard_group
     cache: dict[str, dist.ProcessGroup] = root.__dict__.setdefault(_REDUCE_SCATTER_GROUPS_ATTR, {})
     name = names[-1]
     if name not in cache:
-        slices = root.mesh.movedim(root_names.index(name), -1).reshape(-1, dp.shard_size).tolist()
-        group, _ = dist.new_subgroups_by_enumeration(slices, group_desc=_REDUCE_SCATTER_GROUP_DESC)
+        with unset_fake_temporarily():  # the mesh's rank tensor is real, also while planning under fake tensors
+            slices = root.mesh.movedim(root_names.index(name), -1).reshape(-1, dp.shard_size).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(slices, group_desc=REDUCE_SCATTER_GROUP_DESC)
         assert group is not None
         cache[name] = group
     return cache[name]

@@ -175,7 +175,11 @@ class StepContext:
             while self.gather_cursor <= target:
                 passed = self.backward_order[self.gather_cursor]
                 self.gather_cursor += 1
-                if passed is not state:
+                if passed is state:
+                    # Copied out before its prefetch is issued: the prefetch's output then never coexists with
+                    # this unit's all-gather output and full parameters (the same all-gathers, in the same order).
+                    state.gather_now()
+                else:
                     passed.start_gather(async_op=True)
                 self._prefetch_after(passed)
         state.gather_now()

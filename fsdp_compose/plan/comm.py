@@ -91,7 +91,10 @@ class CollectiveTally:
                         pg = torch._C._distributed_c10d.ProcessGroup.unbox(arg)
                     except RuntimeError:
                         continue
-                    return self.group_labels.get(pg.group_name, f"group of {pg.size()}")
+                    label = self.group_labels.get(pg.group_name)
+                    if label is None:  # e.g. fsdp_compose's reduce-scatter group: labelled by its description
+                        label = self.group_labels.get(getattr(pg, "group_desc", ""), f"group of {pg.size()}")
+                    return label
             return "?"
         names = [arg for arg in args if isinstance(arg, str)]
         return self.group_labels.get(names[-1], f"group {names[-1]}") if names else "?"

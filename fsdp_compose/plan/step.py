@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 import fsdp_compose as fc
+from fsdp_compose.meshes import REDUCE_SCATTER_GROUP_DESC
 
 from .comm import CollectiveTally
 from .live_bytes import DEFAULT_LABEL, LiveBytesCounter, live_storage_keys, storages_of, tensors_since
@@ -150,6 +151,8 @@ def build_mesh(config: PlanConfig, device_type: str = "cpu", mesh: DeviceMesh | 
     dp_mesh = mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]]
     tp_mesh = mesh["tp"] if "tp" in dims else None
     labels = {str(mesh.get_group(name).group_name): name for name in names}
+    # fsdp_compose reduce-scatters over a group of the shard dim's ranks of its own (meshes.reduce_scatter_group)
+    labels[REDUCE_SCATTER_GROUP_DESC] = dp_names[-1]
     setting = config.reshard_after_forward
     if not isinstance(setting, bool) and 1 < setting < config.shard:
         _make_post_forward_groups(dp_mesh, setting, mesh.device_type)

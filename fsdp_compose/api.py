@@ -27,6 +27,7 @@ __all__ = [
     "register_forward_method",
     "reset_step",
     "reshard",
+    "set_collective_checks",
     "set_full_precision_in_eval",
     "set_gradient_accumulation",
     "set_gradient_divide_factor",
@@ -111,6 +112,19 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
 def reshard(module: nn.Module) -> None:
     """Free the module's own full parameters and register the sharded ones again (no communication)."""
     _require_state(module, "reshard").unit.reshard()
+
+
+def set_collective_checks(module: nn.Module, enabled: bool = True) -> None:
+    """Check at every step, before any collective, that all ranks are about to run the same collectives.
+
+    Ranks that freeze different parameters, or disagree on no-sync, reshard settings or the set of sharded units,
+    otherwise hang or silently mix gradients. The check all-gathers one 64-bit fingerprint per step over the root's
+    data-parallel groups and raises the same ``RuntimeError`` on every rank, naming the unit and what differs.
+    Per instance; set it on the root (or any module under it, with every rank doing the same).
+    """
+    _check_bool(enabled, "enabled", "set_collective_checks")
+    for state in _states(module, True, "set_collective_checks"):
+        state.collective_checks = enabled
 
 
 def reset_step(module: nn.Module) -> None:

@@ -135,6 +135,7 @@ class ShardState:
         self.gradient_accumulation: GradientAccumulation = "unsharded"
         self.requires_all_reduce = True  # HSDP: all-reduce over replicas after the reduce-scatter
         self.full_precision_in_eval = False
+        self.collective_checks = False  # fc.set_collective_checks: read on the root
         # Prefetch targets set with fc.set_modules_to_*_prefetch (None: implicit, from the recorded forward order).
         self.forward_prefetch: list[ShardState] | None = None
         self.backward_prefetch: list[ShardState] | None = None

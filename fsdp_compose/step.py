@@ -31,6 +31,7 @@ from torch.autograd import Variable
 from torch.profiler import record_function
 from torch.utils._pytree import tree_map
 
+from .checks import check_ranks_agree
 from .grads import GradState
 from .unit import UnitState
 
@@ -98,6 +99,8 @@ class StepContext:
         """Root pre-forward: clean up whatever the last step left, refresh trainability, move inputs."""
         if self.phase is StepPhase.BACKWARD:
             self.abort_backward()
+        if self.root.collective_checks:
+            check_ranks_agree(self.root)  # before anything of this step communicates
         if self.recording:
             self.forward_order, self.recording = self.recording, []
         for state in self.states:

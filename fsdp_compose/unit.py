@@ -362,7 +362,7 @@ class ShardedUnit:
         return any(mp.full is not None and mp.full.grad is not None for mp in self.params)
 
     # ------------------------------------------------------------------ trainability
-    def _current_requires_grad(self, mp: ManagedParam) -> bool:
+    def current_requires_grad(self, mp: ManagedParam) -> bool:
         """``requires_grad`` of the parameter the module holds now: the full one while unsharded."""
         registered = mp.registered()
         if registered is mp.full and mp.full is not None:
@@ -370,7 +370,7 @@ class ShardedUnit:
         return mp.sharded.requires_grad
 
     def trainability_changed(self) -> bool:
-        return any(self._current_requires_grad(mp) != mp.trainable for mp in self.params)
+        return any(self.current_requires_grad(mp) != mp.trainable for mp in self.params)
 
     def refresh_trainable(self) -> bool:
         """Catch up with ``requires_grad`` changes: which parameters get full gradients and are reduced, and (under
@@ -385,7 +385,7 @@ class ShardedUnit:
             self.grads.refresh(self.params)  # raises: gradients from no-sync micro-batches would be lost
         old_whole = [mp.slot is None for mp in self.params]
         for mp in self.params:
-            mp.trainable = self._current_requires_grad(mp)
+            mp.trainable = self.current_requires_grad(mp)
             mp.sharded.requires_grad_(mp.trainable)
         new_whole = [self.shards.kept_whole(len(mp.sharded.shape), mp.trainable) for mp in self.params]
         if new_whole != old_whole:

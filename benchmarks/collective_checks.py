@@ -11,16 +11,22 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import fsdp_compose as fc
-from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
-from fsdp_compose.checks import check_ranks_agree
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import fsdp_compose as fc  # noqa: E402
+from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
+from fsdp_compose.checks import check_ranks_agree  # noqa: E402
 
 
 def _run(rank: int, nproc: int, store: str, steps: int) -> None:

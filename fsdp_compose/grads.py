@@ -33,9 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.profiler import record_function
 
-from .collectives import Work, all_reduce, reduce_scatter_flat
+from .collectives import Work, all_reduce, labelled, reduce_scatter_flat
 from .extensions import ShardExtensions
 from .flat import ManagedParam, local_grad, run_post_accumulate_grad_hooks
 from .meshes import DataParallelMesh
@@ -272,7 +271,7 @@ class UnitGradients:
         output = torch.empty(self.layout.segment_numel + self.tail, dtype=spec.reduce_dtype, device=spec.device)
         hook = spec.extensions.reduce_scatter
         work: Work | None = None
-        with record_function("fsdp_compose::reduce_scatter"):
+        with labelled("fsdp_compose::reduce_scatter"):
             if hook is not None:
                 hook(output, buffer.view(-1), spec.reduce_group)
             elif spec.dp.shard_size == 1:
@@ -296,7 +295,7 @@ class UnitGradients:
     def _wait_reduce_scatter(self, flight: _InFlight) -> None:
         if flight.buffer is not None:
             assert flight.work is not None
-            with record_function("fsdp_compose::reduce_scatter_wait"):
+            with labelled("fsdp_compose::reduce_scatter_wait"):
                 flight.work.wait()
             flight.work = None
             flight.buffer = None  # the reduce-scatter input is free now
@@ -318,7 +317,7 @@ class UnitGradients:
             self.replica_partial = None
             flight.missing_locally = True  # the flags then count every micro-batch: read them
         all_reduce_hook = self.spec.extensions.all_reduce
-        with record_function("fsdp_compose::all_reduce"):
+        with labelled("fsdp_compose::all_reduce"):
             if all_reduce_hook is not None:
                 flight.work = all_reduce_hook(flight.output, replicas)
             else:
@@ -335,11 +334,11 @@ class UnitGradients:
         assert flight is not None
         self._wait_reduce_scatter(flight)
         if flight.work is not None:
-            with record_function("fsdp_compose::all_reduce_wait"):
+            with labelled("fsdp_compose::all_reduce_wait"):
                 flight.work.wait()
         self.flight = None
         self._to(GradState.IDLE)
-        with record_function("fsdp_compose::deliver_gradients"):
+        with labelled("fsdp_compose::deliver_gradients"):
             self._deliver(flight)
         if self.on_finished is not None:
             self.on_finished()

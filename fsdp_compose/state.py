@@ -36,9 +36,9 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .collectives import labelled
 from .policies import MixedPrecisionPolicy
 from .step import StepContext, in_backward
 from .unit import ShardedUnit, UnitState
@@ -234,7 +234,7 @@ class ShardState:
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        with record_function("fsdp_compose::pre_forward"):
+        with labelled("fsdp_compose::pre_forward"):
             return self._pre_forward(module, args, kwargs)
 
     def _pre_forward(
@@ -321,7 +321,7 @@ class ShardState:
     @_outside_compile
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Also runs when forward raised (``always_call``): ``output`` is then None and the unit just reshards."""
-        with record_function("fsdp_compose::post_forward"):
+        with labelled("fsdp_compose::post_forward"):
             return self._post_forward(module, output)
 
     def _post_forward(self, module: nn.Module, output: Any) -> Any:
@@ -359,7 +359,7 @@ class ShardState:
     # ------------------------------------------------------------------ backward
     @_outside_compile
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        with record_function("fsdp_compose::pre_backward"):
+        with labelled("fsdp_compose::pre_backward"):
             if self.phase is UnitPhase.BACKWARD:
                 return  # another output of this unit: already gathered
             root = self.root
@@ -376,7 +376,7 @@ class ShardState:
         """The unit's backward is done: hand its gradients to the reduction (or accumulate them) and reshard."""
         if not self.post_backward_pending:
             return
-        with record_function("fsdp_compose::post_backward"):
+        with labelled("fsdp_compose::post_backward"):
             self.post_backward_pending = False
             self._to(UnitPhase.IDLE)
             # Free the full parameters first: the gradients live apart from them (in ``.grad`` or already in the

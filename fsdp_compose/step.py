@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd import Variable
-from torch.profiler import record_function
 from torch.utils._pytree import tree_map
 
 from .checks import check_ranks_agree
+from .collectives import labelled
 from .grads import GradState
 from .unit import UnitState
 
@@ -241,7 +241,7 @@ class StepContext:
         ``reshard_after_backward`` says: an optimizer step follows it, so full parameters kept across it would be
         stale (an update through ``.data`` bumps no version counter to tell).
         """
-        with record_function("fsdp_compose::final_callback"):
+        with labelled("fsdp_compose::final_callback"):
             for state in reversed(self.states):
                 if state.post_backward_pending:
                     state.post_backward()

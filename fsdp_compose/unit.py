@@ -30,9 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.profiler import record_function
 
-from .collectives import Work, all_gather_flat
+from .collectives import Work, all_gather_flat, labelled
 from .extensions import ShardExtensions
 from .flat import FlatShard, ManagedParam, make_full_param
 from .grads import ReduceSpec, UnitGradients
@@ -227,7 +226,7 @@ class ShardedUnit:
         transform = self.extensions.all_gather
         numel = self.layout.segment_numel
         flat = self.shards.flat
-        with record_function("fsdp_compose::all_gather"):
+        with labelled("fsdp_compose::all_gather"):
             if transform is None and dtype != flat.dtype and self.world_size > 1 and numel > 0:
                 # Cast straight into this rank's segment of the output and all-gather in place (the input is a view
                 # of the output): no separate low-precision copy of the shard lives next to the output while it
@@ -253,7 +252,7 @@ class ShardedUnit:
         """All-gather the post-forward blocks within the group of k ranks: all ``W`` segments, in order."""
         assert self.post_forward is not None
         gathered = torch.empty(self.world_size * self.layout.segment_numel, dtype=block.dtype, device=block.device)
-        with record_function("fsdp_compose::all_gather"):
+        with labelled("fsdp_compose::all_gather"):
             work = all_gather_flat(gathered, block.view(-1), self.post_forward.group, async_op=async_op)
         self._pending_gather = _PendingGather(work, gathered, block, encoded=False)
         self._to(UnitState.GATHERING)
@@ -265,10 +264,10 @@ class ShardedUnit:
         assert self._pending_gather is not None and self.compute_dtype is not None
         pending, self._pending_gather = self._pending_gather, None
         if pending.work is not None:
-            with record_function("fsdp_compose::all_gather_wait"):
+            with labelled("fsdp_compose::all_gather_wait"):
                 pending.work.wait()
         dtype = self.compute_dtype
-        with record_function("fsdp_compose::all_gather_copy_out"):
+        with labelled("fsdp_compose::all_gather_copy_out"):
             gathered = pending.output
             transform = self.extensions.all_gather
             if pending.encoded and transform is not None:

@@ -79,6 +79,7 @@ class CaseConfig:
     prefetch: str = "default"  # "default" | "off" (empty lists) | "random" (the pairs below)
     prefetch_pairs: tuple[tuple[str, int, int], ...] = ()  # ("f" | "b", source unit index, target unit index)
     optimizer: str = "sgd"  # "sgd" | "adamw"
+    clip: float = 0.0  # > 0: fc.clip_grad_norm_ (reference: torch.nn.utils.clip_grad_norm_) before every step
     trainability: tuple[tuple[int, str, int, bool], ...] = ()  # (step, "param" | "module", index, requires_grad)
     evals: tuple[tuple[int, str], ...] = ()  # (step, "grad" | "no_grad"): a forward without backward before it
     faults: tuple[tuple[int, str, int], ...] = ()  # (step, "forward" | "backward" | "discard", block index): a
@@ -205,6 +206,7 @@ def draw_config(ch: Chooser, ws: int, seed: int) -> CaseConfig:
         prefetch=prefetch,
         prefetch_pairs=pairs,
         optimizer=ch.pick(("sgd", "adamw")),
+        clip=1.0 if ch.flag(30) else 0.0,
         trainability=tuple(events),
         evals=evals,
         faults=faults,
@@ -319,7 +321,7 @@ class Block(nn.Module):
 class Embed(nn.Module):
     def __init__(self, vocab: int, d: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(vocab, d) / vocab**0.5)
+        self.weight = nn.Parameter(0.5 * torch.randn(vocab, d) / vocab**0.5)
         self.pos = nn.Parameter(0.1 * torch.randn(SEQ, d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -335,8 +337,10 @@ class Net(nn.Module):
         self.embed = Embed(v, d)
         self.blocks = nn.ModuleList(Block(b, d) for b in cfg.blocks)
         self.head = nn.Linear(d, v)
+        self.head_scale = 1.0
         if cfg.tie_embed != "none":
             self.head.weight = self.embed.weight  # embedding-like weight used by two submodules
+            self.head_scale = d**-0.5  # the tie makes the output quadratic in it: keep SGD from diverging
         self.side = nn.Linear(d, v) if cfg.side != "none" else None
         self.unused = nn.Linear(d, 3) if cfg.unused_unit else None
         self.temp = nn.Parameter(1.0 + 0.1 * torch.randn(())) if cfg.root_scalar else None
@@ -345,7 +349,7 @@ class Net(nn.Module):
         h = self.embed(x)
         for block in self.blocks:
             h = checkpoint(block, h, use_reentrant=False) if block.spec.ckpt == "around" else block(h)
-        y = self.head(h)
+        y = self.head(h) * self.head_scale
         if self.side is not None:
             s = self.side(h)  # runs on every rank ...
             if use_side:  # ... reaches the loss where the configuration says so

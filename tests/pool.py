@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-COLLECTIVE_TIMEOUT_S = 30
+COLLECTIVE_TIMEOUT_S = int(os.environ.get("FSDP_COMPOSE_COLLECTIVE_TIMEOUT_S", "30"))  # e.g. lower for shrinking hangs
 TASK_TIMEOUT_S = 300
 
 
@@ -92,7 +92,11 @@ class WorkerPool:
             for rank in sorted(pending):
                 conn = self._conns[rank]
                 if conn.poll(0.01):
-                    status, value = conn.recv()
+                    try:
+                        status, value = conn.recv()
+                    except (EOFError, OSError):  # the process died (e.g. gloo aborted on a collective mismatch)
+                        self._procs[rank].join(timeout=1)
+                        status, value = "error", f"died (exit code {self._procs[rank].exitcode})"
                     pending.discard(rank)
                     if status == "ok":
                         results[rank] = value
@@ -107,7 +111,10 @@ class WorkerPool:
                 while pending and time.monotonic() < grace:
                     for rank in sorted(pending):
                         if self._conns[rank].poll(0.05):
-                            status, value = self._conns[rank].recv()
+                            try:
+                                status, value = self._conns[rank].recv()
+                            except (EOFError, OSError):
+                                status, value = "error", "died"
                             pending.discard(rank)
                             if status != "ok":
                                 errors.append(f"--- rank {rank} ---\n{value}")

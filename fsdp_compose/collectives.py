@@ -22,6 +22,8 @@ class Work(Protocol):
 
     def wait(self) -> Any: ...
 
+    def is_completed(self) -> bool: ...
+
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -40,6 +40,7 @@ from .flat import ManagedParam, local_grad, run_post_accumulate_grad_hooks
 from .meshes import DataParallelMesh
 from .offload import UnitDevices
 from .sharding import FlatLayout, chunk_rows, divide_factors, write_grad_into_segments
+from .transitions import checked
 
 logger = logging.getLogger(__name__)
 
@@ -113,12 +114,7 @@ class UnitGradients:
 
     # ------------------------------------------------------------------ state machine
     def _to(self, new: GradState) -> None:
-        if new not in _ALLOWED[self.state]:
-            raise RuntimeError(
-                f"internal error in fsdp_compose: gradient pipeline of {self.spec.owner_name} cannot go from "
-                f"{self.state.value} to {new.value}; please report this with the steps that led here"
-            )
-        self.state = new
+        self.state = checked(self.state, new, _ALLOWED, f"gradient pipeline of {self.spec.owner_name}")
 
     def refresh(self, params: list[ManagedParam]) -> None:
         """Rebuild the layout from the parameters' cached ``trainable`` flags (the unit keeps those current)."""
@@ -300,13 +296,20 @@ class UnitGradients:
             flight.work = None
             flight.buffer = None  # the reduce-scatter input is free now
 
-    def advance(self) -> None:
+    def advance(self, *, only_if_done: bool = False) -> None:
         """The reduce-scatter completes (its input buffer is freed); HSDP starts the asynchronous all-reduce over
-        replicas, which overlaps the rest of backward. Without replicas the gradients are handed out right away."""
+        replicas, which overlaps the rest of backward. Without replicas the gradients are handed out right away.
+
+        ``only_if_done``: do nothing unless the reduce-scatter has already completed. During backward another rank
+        may issue its side of this reduce-scatter only at the end of its backward (a unit that got no gradient
+        there), after all-gathers that need this rank: blocking on it here would deadlock.
+        """
         if self.state is not GradState.REDUCE_SCATTERING:
             return  # nothing in flight, or the all-reduce already runs
         flight = self.flight
         assert flight is not None
+        if only_if_done and flight.work is not None and not flight.work.is_completed():
+            return
         self._wait_reduce_scatter(flight)
         replicas = self.spec.dp.replicate_group
         if replicas is None:

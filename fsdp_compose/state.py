@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .collectives import labelled
 from .policies import MixedPrecisionPolicy
 from .step import StepContext, in_backward
+from .transitions import checked
 from .unit import ShardedUnit, UnitState
 
 logger = logging.getLogger(__name__)
@@ -155,12 +156,7 @@ class ShardState:
         self.reduce_issued = False  # this unit's reduce-scatter went out in this backward
 
     def _to(self, new: UnitPhase) -> None:
-        if new not in _ALLOWED[self.phase]:
-            raise RuntimeError(
-                f"internal error in fsdp_compose: {self.unit.owner_name} cannot go from phase {self.phase.value} "
-                f"to {new.value}; please report this with the steps that led here"
-            )
-        self.phase = new
+        self.phase = checked(self.phase, new, _ALLOWED, f"{self.unit.owner_name}'s phase")
 
     # ------------------------------------------------------------------ hooks registration
     def register_hooks(self) -> None:

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map
 from .checks import check_ranks_agree
 from .collectives import labelled
 from .grads import GradState
+from .transitions import checked
 from .unit import UnitState
 
 if TYPE_CHECKING:
@@ -87,12 +88,7 @@ class StepContext:
             state.unit.grads.make_room = self.complete_reduction_in_flight
 
     def _to(self, new: StepPhase) -> None:
-        if new not in _ALLOWED[self.phase]:
-            raise RuntimeError(
-                f"internal error in fsdp_compose: step of {self.root.unit.owner_name} cannot go from "
-                f"{self.phase.value} to {new.value}; please report this with the steps that led here"
-            )
-        self.phase = new
+        self.phase = checked(self.phase, new, _ALLOWED, f"step of {self.root.unit.owner_name}")
 
     # ------------------------------------------------------------------ forward
     def begin_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -201,9 +197,14 @@ class StepContext:
 
     # ------------------------------------------------------------------ reductions
     def complete_reduction_in_flight(self) -> None:
-        """Let the last reduce-scatter finish (freeing its input) before a new gradient buffer is allocated."""
+        """Free the last reduce-scatter's input before a new gradient buffer is allocated, if it has completed.
+
+        Never a blocking wait during backward: another rank may issue its side of that reduce-scatter only in its
+        final callback (a unit whose output missed its loss), after all-gathers that need this rank. Waits happen
+        in the final callback, when every rank has issued everything.
+        """
         if self.last_reduced is not None:
-            self.last_reduced.unit.grads.advance()
+            self.last_reduced.unit.grads.advance(only_if_done=True)
 
     def issue_reductions_in_order(self, *, final: bool = False) -> None:
         """Issue staged reduce-scatters in one fixed order, the same on every rank.

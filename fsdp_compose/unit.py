@@ -39,6 +39,7 @@ from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_sca
 from .offload import UnitDevices
 from .policies import OffloadPolicy
 from .sharding import FlatLayout, copy_param_from_segments, write_param_into_segments
+from .transitions import checked
 
 logger = logging.getLogger(__name__)
 
@@ -169,12 +170,7 @@ class ShardedUnit:
 
     # ------------------------------------------------------------------ state machine
     def _to(self, new: UnitState) -> None:
-        if new not in _ALLOWED[self.state]:
-            raise RuntimeError(
-                f"internal error in fsdp_compose: unit {self.owner_name} cannot go from {self.state.value} to "
-                f"{new.value}; please report this with the steps that led here"
-            )
-        self.state = new
+        self.state = checked(self.state, new, _ALLOWED, f"unit {self.owner_name}")
 
     @property
     def is_unsharded(self) -> bool:

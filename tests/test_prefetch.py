@@ -163,10 +163,12 @@ def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("ws", [2])
 def test_backward_ending_an_accumulation_window_gathers_nothing_while_reducing(run_dist, ws: int) -> None:
-    """Every unit holds its accumulation buffer then: no gathered parameters wait through a reduce-scatter."""
+    """Every unit holds its accumulation buffer then: backward gathers on demand only (no prefetch)."""
     prefetched = [("b3", True), ("b2", True), ("b1", True), ("b0", True)]
     for r in run_dist(ws, _gathers_while_draining):
         assert r["no_sync"]["issued"] == prefetched  # nothing reduces: the usual prefetch
         assert r["sync"]["issued"] == [("b3", False), ("b2", False), ("b1", False), ("b0", False)]
-        assert r["sync"]["overlapping"] == []
+        # A reduce-scatter still in flight is no longer waited for before the next gather (another rank may issue
+        # its side only in its final callback: tests/test_randomized.py found the deadlock); it is freed as soon as
+        # it has completed, so overlap depends on timing and is not asserted.
         assert r["plain"]["issued"] == prefetched  # a step without accumulation prefetches as before

@@ -108,7 +108,7 @@ class UnitGradients:
         self.accumulating = False  # set by the state each forward: a no-sync micro-batch (gradients kept here)
         # (id of .grad, its version) per parameter when held gradients were last left between steps: a user's
         # zero_grad changes them, which tells that the held gradients must be dropped too.
-        self._marks: dict[int, tuple[int, int]] = {}
+        self._marks: dict[int, tuple[int, int, int]] = {}
         self._placeholders: dict[int, int] = {}  # id(mp) -> id of the zero .grad that mark_held put there
         self.refresh(params)
 
@@ -377,7 +377,7 @@ class UnitGradients:
     def _add_to_sharded_grad(self, mp: ManagedParam, rows: torch.Tensor) -> None:
         rows = rows.to(self.spec.grad_dtype)
         current = mp.sharded.grad
-        if current is None:
+        if current is None or id(current) == self._placeholders.get(id(mp)):  # a placeholder holds only zeros
             mp.sharded.grad = DTensor.from_local(
                 rows,
                 mp.sharded.device_mesh,
@@ -393,8 +393,8 @@ class UnitGradients:
     def mark_held(self) -> None:
         """Gradients stay held here past this backward (no-sync): make ``.grad`` tell us if the user drops them.
 
-        Each trainable parameter without a sharded ``.grad`` gets a zero one (the memory it takes once the window
-        synchronises anyway), and its identity and version are noted: ``zero_grad()`` either sets it to None or
+        Each trainable parameter without a sharded ``.grad`` gets a zero one (no memory: a broadcast zero), and its
+        identity and version are noted: ``zero_grad()`` either sets it to None or
         zeroes it in place, and ``drop_if_user_zeroed`` sees either at the next step.
         """
         if not self.has_pending():
@@ -403,10 +403,21 @@ class UnitGradients:
         for mp in self.trainable:
             grad = mp.sharded.grad
             if grad is None:
-                grad = torch.zeros_like(mp.sharded)
+                # One zero broadcast to the shard's shape: it costs no memory (a real zero gradient here would add
+                # a sharded gradient's worth to the whole accumulation window) and still records zero_grad.
+                local = mp.sharded._local_tensor
+                zero = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
+                grad = DTensor.from_local(
+                    zero,
+                    mp.sharded.device_mesh,
+                    mp.sharded.placements,
+                    run_check=False,
+                    shape=mp.sharded.shape,
+                    stride=mp.sharded.stride(),
+                )
                 mp.sharded.grad = grad
                 self._placeholders[id(mp)] = id(grad)
-            self._marks[id(mp)] = (id(grad), grad._version)
+            self._marks[id(mp)] = (id(grad), *_versions(grad))
 
     def drop_if_user_zeroed(self) -> bool:
         """Drop the held gradients when the user zeroed the sharded ``.grad`` since ``mark_held``; True if dropped."""
@@ -421,7 +432,7 @@ class UnitGradients:
                 continue
             if grad is None or id(grad) != mark[0]:
                 dropped = True
-            elif grad._version != mark[1] and not bool(grad._local_tensor.any()):  # type: ignore[attr-defined]
+            elif _versions(grad) != mark[1:] and not bool(grad._local_tensor.any()):  # type: ignore[attr-defined]
                 dropped = True
             if dropped:
                 break
@@ -447,5 +458,12 @@ class UnitGradients:
         self.written = set()
         self.locally_seen = set()
         self._marks = {}
-        self._placeholders = {}
+        # ``_placeholders`` stay: a zero placeholder the user zeroed in place is still ``.grad`` and must be
+        # replaced, not added into, at the next delivery.
         self.state = GradState.IDLE
+
+
+def _versions(grad: torch.Tensor) -> tuple[int, int]:
+    """Version counters of a sharded ``.grad`` and of its local tensor: an in-place zero_ bumps at least one."""
+    local = getattr(grad, "_local_tensor", grad)
+    return grad._version, local._version

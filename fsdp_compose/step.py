@@ -199,12 +199,14 @@ class StepContext:
     def complete_reduction_in_flight(self) -> None:
         """Free the last reduce-scatter's input before a new gradient buffer is allocated, if it has completed.
 
-        Never a blocking wait during backward: another rank may issue its side of that reduce-scatter only in its
-        final callback (a unit whose output missed its loss), after all-gathers that need this rank. Waits happen
-        in the final callback, when every rank has issued everything.
+        No blocking wait while this rank still has backward all-gathers to issue: another rank may issue its side of
+        that reduce-scatter only in its final callback (a unit whose output missed its loss), after all-gathers that
+        need this rank.
         """
         if self.last_reduced is not None:
-            self.last_reduced.unit.grads.advance(only_if_done=True)
+            # Blocking is safe once this rank has issued every all-gather of its backward: no peer then waits on it.
+            gathers_left = self.phase is StepPhase.BACKWARD and self.gather_cursor < len(self.backward_order)
+            self.last_reduced.unit.grads.advance(only_if_done=gathers_left)
 
     def issue_reductions_in_order(self, *, final: bool = False) -> None:
         """Issue staged reduce-scatters in one fixed order, the same on every rank.

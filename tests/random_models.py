@@ -349,7 +349,8 @@ class Net(nn.Module):
         h = self.embed(x)
         for block in self.blocks:
             h = checkpoint(block, h, use_reentrant=False) if block.spec.ckpt == "around" else block(h)
-        y = self.head(h) * self.head_scale
+        # the head's output goes straight on (no op after it): a variant of this tree hangs with an op after it
+        y = self.head(h * self.head_scale if self.head_scale != 1.0 else h)
         if self.side is not None:
             s = self.side(h)  # runs on every rank ...
             if use_side:  # ... reaches the loss where the configuration says so

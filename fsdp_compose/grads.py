@@ -378,14 +378,7 @@ class UnitGradients:
         rows = rows.to(self.spec.grad_dtype)
         current = mp.sharded.grad
         if current is None or id(current) == self._placeholders.get(id(mp)):  # a placeholder holds only zeros
-            mp.sharded.grad = DTensor.from_local(
-                rows,
-                mp.sharded.device_mesh,
-                mp.sharded.placements,
-                run_check=False,
-                shape=mp.sharded.shape,
-                stride=mp.sharded.stride(),
-            )
+            mp.sharded.grad = _like_sharded(mp, rows)
         else:
             current._local_tensor.add_(rows)  # type: ignore[attr-defined]
 
@@ -406,15 +399,7 @@ class UnitGradients:
                 # One zero broadcast to the shard's shape: it costs no memory (a real zero gradient here would add
                 # a sharded gradient's worth to the whole accumulation window) and still records zero_grad.
                 local = mp.sharded._local_tensor
-                zero = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
-                grad = DTensor.from_local(
-                    zero,
-                    mp.sharded.device_mesh,
-                    mp.sharded.placements,
-                    run_check=False,
-                    shape=mp.sharded.shape,
-                    stride=mp.sharded.stride(),
-                )
+                grad = _like_sharded(mp, torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape))
                 mp.sharded.grad = grad
                 self._placeholders[id(mp)] = id(grad)
             self._marks[id(mp)] = (id(grad), *_versions(grad))
@@ -461,6 +446,18 @@ class UnitGradients:
         # ``_placeholders`` stay: a zero placeholder the user zeroed in place is still ``.grad`` and must be
         # replaced, not added into, at the next delivery.
         self.state = GradState.IDLE
+
+
+def _like_sharded(mp: ManagedParam, local: torch.Tensor) -> DTensor:
+    """``local`` as a gradient of the sharded parameter: its mesh, placements, global shape and stride."""
+    return DTensor.from_local(
+        local,
+        mp.sharded.device_mesh,
+        mp.sharded.placements,
+        run_check=False,
+        shape=mp.sharded.shape,
+        stride=mp.sharded.stride(),
+    )
 
 
 def _versions(grad: torch.Tensor) -> tuple[int, int]:

@@ -28,6 +28,7 @@ regions (``torch.compiler.disable``): they issue collectives and swap parameters
 
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 from collections.abc import Callable
@@ -399,20 +400,14 @@ class ShardState:
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)
         new.unit = self.unit.copy_for(memo)
-        new.modules = tuple(_deepcopy(m, memo) for m in self.modules)
-        new.forward_prefetch = _deepcopy(self.forward_prefetch, memo)
-        new.backward_prefetch = _deepcopy(self.backward_prefetch, memo)
+        new.modules = tuple(copy.deepcopy(m, memo) for m in self.modules)
+        new.forward_prefetch = copy.deepcopy(self.forward_prefetch, memo)
+        new.backward_prefetch = copy.deepcopy(self.backward_prefetch, memo)
         new.root = None
         new.ctx = None
         new.kept_unsharded = False
         new.reset_step()
         return new
-
-
-def _deepcopy(value: Any, memo: dict[int, Any]) -> Any:
-    import copy
-
-    return copy.deepcopy(value, memo)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

@@ -138,15 +138,20 @@ def dp_coordinates(dp_mesh: DeviceMesh) -> tuple[int, int]:
     return dp_mesh.get_local_rank(0) * dp_mesh.size(1) + dp_mesh.get_local_rank(1), dp_mesh.size()
 
 
-def train_on_dp_mesh(
-    model: nn.Module, reference: nn.Module, cfg: GPTConfig, dp_mesh: DeviceMesh, steps: int = 3
+def train_steps(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    reference: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    dp_mesh: DeviceMesh,
+    steps: Iterable[int],
+    cfg: GPTConfig | None = None,
 ) -> float:
-    """SGD with momentum: ``model`` on this rank's data-parallel slice (TP peers share it), ``reference`` on the
-    global batch of 8; max |diff| of the parameters."""
-    opt = make_optimizer("sgd")(model.parameters())
-    ref_opt = make_optimizer("sgd")(reference.parameters())
+    """``model`` on this rank's data-parallel slice (TP peers share it), ``reference`` on the global batch of 8, for
+    the given step numbers (each selects its batch); max |diff| of the parameters."""
+    cfg = cfg or GPTConfig()
     dp_rank, dp_size = dp_coordinates(dp_mesh)
-    for step in range(steps):
+    for step in steps:
         inputs, targets = synthetic_batch(cfg, 8, step)
         ref_opt.zero_grad()
         loss_fn(reference(inputs), targets).backward()
@@ -155,3 +160,12 @@ def train_on_dp_mesh(
         loss_fn(model(dp_slice(inputs, dp_rank, dp_size)), dp_slice(targets, dp_rank, dp_size)).backward()
         opt.step()
     return max_param_diff(model, reference)
+
+
+def train_on_dp_mesh(
+    model: nn.Module, reference: nn.Module, cfg: GPTConfig, dp_mesh: DeviceMesh, steps: int = 3
+) -> float:
+    """SGD with momentum, ``steps`` steps of ``train_steps``."""
+    opt = make_optimizer("sgd")(model.parameters())
+    ref_opt = make_optimizer("sgd")(reference.parameters())
+    return train_steps(model, opt, reference, ref_opt, dp_mesh, range(steps), cfg)

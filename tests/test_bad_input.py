@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import fsdp_compose as fc
-from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
-from tests.dist_utils import dp_coordinates, dp_slice, make_optimizer, max_param_diff, mesh_1d, shard_gpt
+from examples.gpt_model import GPT, GPTConfig
+from tests.dist_utils import make_optimizer, max_param_diff, mesh_1d, shard_gpt, train_steps
 
 WORLD_SIZES = [2, 4]
 
@@ -66,28 +66,6 @@ def assert_unchanged(before: list[tuple[Any, ...]], after: list[tuple[Any, ...]]
         for a, b in zip(old, new, strict=True):
             same = torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
             assert same, f"{old[0]} {old[1]} changed"
-
-
-def train_steps(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    reference: nn.Module,
-    ref_opt: torch.optim.Optimizer,
-    dp_mesh: DeviceMesh,
-    steps: range,
-) -> float:
-    """``model`` on this rank's data-parallel slice, ``reference`` on the global batch of 8; max |param diff|."""
-    cfg = GPTConfig()
-    dp_rank, dp_size = dp_coordinates(dp_mesh)
-    for step in steps:
-        inputs, targets = synthetic_batch(cfg, 8, step)
-        ref_opt.zero_grad()
-        loss_fn(reference(inputs), targets).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        loss_fn(model(dp_slice(inputs, dp_rank, dp_size)), dp_slice(targets, dp_rank, dp_size)).backward()
-        opt.step()
-    return max_param_diff(model, reference)
 
 
 def trained_pair(ws: int) -> tuple[GPT, torch.optim.Optimizer, GPT, torch.optim.Optimizer]:

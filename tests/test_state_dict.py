@@ -27,8 +27,9 @@ from tests.dist_utils import (
     mesh_nd,
     shard_gpt,
     train_on_dp_mesh,
+    train_steps,
 )
-from tests.test_bad_input import assert_unchanged, gpt_with_buffers, snapshot, train_steps, trained_pair
+from tests.test_bad_input import assert_unchanged, gpt_with_buffers, snapshot, trained_pair
 
 MESHES = ["1d", "hsdp", "tp"]
 

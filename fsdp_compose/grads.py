@@ -106,6 +106,9 @@ class UnitGradients:
         self.written: set[int] = set()  # parameters whose region in ``buffer`` holds a gradient already
         self.divide_factor: float | None = None  # fc.set_gradient_divide_factor (None: the data-parallel size)
         self.accumulating = False  # set by the state each forward: a no-sync micro-batch (gradients kept here)
+        # A failed step completes its collectives (every rank must) but hands nothing out: set by
+        # ``StepContext.abort_backward``, cleared by ``discard``.
+        self.dropping = False
         # (id of .grad, its version) per parameter when held gradients were last left between steps: a user's
         # zero_grad changes them, which tells that the held gradients must be dropped too.
         self._marks: dict[int, tuple[int, int, int]] = {}
@@ -341,6 +344,8 @@ class UnitGradients:
                 flight.work.wait()
         self.flight = None
         self._to(GradState.IDLE)
+        if self.dropping:
+            return
         with labelled("fsdp_compose::deliver_gradients"):
             self._deliver(flight)
         if self.on_finished is not None:
@@ -443,6 +448,7 @@ class UnitGradients:
         self.written = set()
         self.locally_seen = set()
         self._marks = {}
+        self.dropping = False
         # ``_placeholders`` stay: a zero placeholder the user zeroed in place is still ``.grad`` and must be
         # replaced, not added into, at the next delivery.
         self.state = GradState.IDLE

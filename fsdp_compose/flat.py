@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from .meshes import DataParallelMesh, ParamPlacing
 from .offload import UnitDevices
+from .replaced import ReplacedParams
 from .sharding import FlatLayout, local_rows
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ class FlatShard:
             self._installed(mp)
         for _, p, _ in params:
             setattr(p, MOVED_ATTR, owner_name)
+        self.replaced = ReplacedParams(owner_name, [(fqn, p) for fqn, p, _ in params])
 
     def kept_whole(self, ndim: int, trainable: bool) -> bool:
         return ndim == 0 or (self.frozen_params == "replicate" and not trainable)
@@ -326,6 +328,7 @@ class FlatShard:
             for mp in self.params
         ]
         new.flat = torch.zeros(0, dtype=self.dtype, device="meta")
+        new.replaced = ReplacedParams(self.owner_name, [])
         return new
 
 

@@ -283,6 +283,7 @@ class StepContext:
                     state.unit.finish_unshard()
                 state.reset_step()
                 state.kept_unsharded = keep and state.unit.state is UnitState.UNSHARDED
+                state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
             self.gradients_held = any(state.unit.grads.state is GradState.ACCUMULATING for state in self.states)
             self.draining = False
             self._to(StepPhase.IDLE)

@@ -406,7 +406,7 @@ def _shard_dim(fqn: str, param: nn.Parameter, placement: object, owner_name: str
         dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
         if not 0 <= dim < param.ndim:
             raise ValueError(
-                f"shard_placement_fn returned {placement} for '{fqn}' of {owner_name}, a parameter of shape "
+                f"shard_placement_fn returned {placement!r} for '{fqn}' of {owner_name}, a parameter of shape "
                 f"{tuple(param.shape)}; return Shard(dim) with -{param.ndim} <= dim < {param.ndim} (or None for dim 0)"
             )
         return dim

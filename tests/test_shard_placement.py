@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -209,21 +211,29 @@ def _experts_placement(param: nn.Parameter) -> Shard | None:
     return Shard(0) if param.ndim == 2 else None
 
 
+def _experts_step(
+    model: nn.Module, opt: torch.optim.Optimizer, step: int, dp_rank: int, dp_size: int, micro: int
+) -> None:
+    """One AdamW step on this rank's slice of step ``step``'s global batch of 8 (in ``micro`` micro-batches)."""
+    gen = torch.Generator().manual_seed(step)
+    x, target = torch.randn(8, 5, generator=gen), torch.randn(8, 5, generator=gen)
+    opt.zero_grad()
+    xs, ts = dp_slice(x, dp_rank, dp_size).chunk(micro), dp_slice(target, dp_rank, dp_size).chunk(micro)
+    for i, (mx, mt) in enumerate(zip(xs, ts, strict=True)):
+        with fc.no_sync(model) if i < micro - 1 else contextlib.nullcontext():
+            ((model(mx) - mt).pow(2).mean() / micro).backward()
+    opt.step()
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
 def _train_experts(model: nn.Module, reference: nn.Module, dp_rank: int, dp_size: int, micro: int) -> float:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    opt, ref_opt = _adamw(model), _adamw(reference)
     for step in range(3):
-        gen = torch.Generator().manual_seed(step)
-        x, target = torch.randn(8, 5, generator=gen), torch.randn(8, 5, generator=gen)
-        ref_opt.zero_grad()
-        (reference(x) - target).pow(2).mean().backward()
-        ref_opt.step()
-        opt.zero_grad()
-        xs, ts = dp_slice(x, dp_rank, dp_size).chunk(micro), dp_slice(target, dp_rank, dp_size).chunk(micro)
-        for i, (mx, mt) in enumerate(zip(xs, ts, strict=True)):
-            with fc.no_sync(model) if i < micro - 1 else contextlib.nullcontext():
-                ((model(mx) - mt).pow(2).mean() / micro).backward()
-        opt.step()
+        _experts_step(reference, ref_opt, step, 0, 1, 1)
+        _experts_step(model, opt, step, dp_rank, dp_size, micro)
     return max_param_diff(model, reference)
 
 
@@ -295,3 +305,75 @@ def test_dim1_with_tensor_parallel_trains_like_the_reference(run_dist) -> None:
         assert r["placements"]["head.weight"] == (Shard(1),)
         assert r["full_ok"]
         assert r["diff"] <= TOL
+
+
+# ------------------------------------------------------------------------------------------------ state dicts
+def _full_round_trip(rank: int, ws: int) -> dict[str, Any]:
+    """fc.full_state_dict of a trained Shard(1)/Shard(-1) model equals the reference's; loading it (broadcast from
+    rank 0) into a differently initialized sharded model gives the same shards, and training continues alike."""
+    torch.manual_seed(0)
+    reference = Experts()
+    model = copy.deepcopy(reference)
+    fc.fully_shard(model, mesh=mesh_1d(ws), shard_placement_fn=_experts_placement)
+    diff = _train_experts(model, reference, rank, ws, 1)
+    full = fc.full_state_dict(model, rank0_only=False)
+    expected = reference.state_dict()
+    gathered = max((full[k] - expected[k]).abs().max().item() for k in expected)
+    torch.manual_seed(1)
+    other = Experts()
+    fc.fully_shard(other, mesh=mesh_1d(ws), shard_placement_fn=_experts_placement)
+    fc.load_full_state_dict(other, full if rank == 0 else {}, broadcast_from_rank0=True)
+    same_shards = all(
+        torch.equal(a.to_local(), b.to_local()) and a.placements == b.placements
+        for a, b in zip(model.parameters(), other.parameters(), strict=True)
+    )
+    opt, other_opt = _adamw(model), _adamw(other)
+    _experts_step(model, opt, 5, rank, ws, 1)
+    _experts_step(other, other_opt, 5, rank, ws, 1)
+    return {"diff": diff, "gathered": gathered, "same_shards": same_shards, "after": max_param_diff(other, model)}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_full_state_dict_round_trip(run_dist, ws: int) -> None:
+    for r in run_dist(ws, _full_round_trip):
+        assert r["diff"] <= TOL and r["gathered"] <= TOL
+        assert r["same_shards"]
+        assert r["after"] == 0.0
+
+
+def _dcp_save(rank: int, ws: int, path: str) -> None:
+    torch.manual_seed(0)
+    model = Experts()
+    fc.fully_shard(model, mesh=mesh_1d(ws), shard_placement_fn=_experts_placement)
+    opt = _adamw(model)
+    for step in range(2):
+        _experts_step(model, opt, step, rank, ws, 1)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def _dcp_load_and_continue(rank: int, ws: int, path: str, placed: bool) -> float:
+    torch.manual_seed(7)  # other values: everything must come from the checkpoint
+    model = Experts()
+    fc.fully_shard(model, mesh=mesh_1d(ws), shard_placement_fn=_experts_placement if placed else None)
+    opt = _adamw(model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    torch.manual_seed(0)
+    reference = Experts()  # trains the 4 steps without a break
+    ref_opt = _adamw(reference)
+    for step in range(4):
+        _experts_step(reference, ref_opt, step, 0, 1, 1)
+        if step >= 2:
+            _experts_step(model, opt, step, rank, ws, 1)
+    return max_param_diff(model, reference)
+
+
+@pytest.mark.parametrize(("save_ws", "load_ws", "placed"), [(2, 4, True), (4, 2, True), (2, 2, False)])
+def test_dcp_round_trip_reshards(run_dist, tmp_path, save_ws: int, load_ws: int, placed: bool) -> None:
+    """A DCP checkpoint of Shard(1)/Shard(-1) parameters (with AdamW state) loads on another world size, or into a
+    model sharded on dim 0 everywhere, and training continues as if never interrupted."""
+    run_dist(save_ws, _dcp_save, str(tmp_path / "ckpt"))
+    assert max(run_dist(load_ws, _dcp_load_and_continue, str(tmp_path / "ckpt"), placed)) <= TOL

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fsdp_compose as fc
@@ -252,7 +253,10 @@ def _experts_1d(rank: int, ws: int, reshard: bool | int, micro: int) -> dict[str
         for n, d in dims.items()
     )
     locals_ok = locals_ok and params["scale"].placements == (Replicate(),)
-    return {"locals_ok": locals_ok, "diff": _train_experts(model, reference, rank, ws, micro)}
+    text, compact = fc.describe(model), fc.describe(model, params=False)
+    rows = [r"w1 +\(3, 5, 7\) +float32 +\(Shard\(1\),\)", r"w2 +\(3, 7, 5\) +float32 +\(Shard\(2\),\)"]
+    described = all(re.search(row, text) for row in rows) and "1 sharded on dim 1, 1 sharded on dim 2" in compact
+    return {"locals_ok": locals_ok, "described": described, "diff": _train_experts(model, reference, rank, ws, micro)}
 
 
 @pytest.mark.parametrize(("ws", "reshard", "micro"), [(1, True, 1), (2, True, 2), (4, True, 1), (4, 2, 2)])
@@ -261,7 +265,7 @@ def test_mixed_dims_train_like_the_reference(run_dist, ws: int, reshard: bool | 
     is torch.chunk's piece on its dim, and training (with no-sync accumulation, with resharding to a group of 2)
     matches the reference."""
     for r in run_dist(ws, _experts_1d, reshard, micro):
-        assert r["locals_ok"]
+        assert r["locals_ok"] and r["described"]
         assert r["diff"] <= TOL
 
 
@@ -377,3 +381,23 @@ def test_dcp_round_trip_reshards(run_dist, tmp_path, save_ws: int, load_ws: int,
     model sharded on dim 0 everywhere, and training continues as if never interrupted."""
     run_dist(save_ws, _dcp_save, str(tmp_path / "ckpt"))
     assert max(run_dist(load_ws, _dcp_load_and_continue, str(tmp_path / "ckpt"), placed)) <= TOL
+
+
+def _assigned_other_placements(rank: int, ws: int) -> str:
+    """A Shard(0) DTensor assigned over a Shard(1) parameter holds other elements locally: the next step refuses
+    it, naming the parameter, before any collective."""
+    torch.manual_seed(0)
+    model = Experts()
+    fc.fully_shard(model, mesh=mesh_1d(ws), shard_placement_fn=_experts_placement)
+    state = model.state_dict()
+    state["w1"] = distribute_tensor(state["w1"].full_tensor(), mesh_1d(ws), [Shard(0)])
+    model.load_state_dict(state, assign=True)
+    with pytest.raises(
+        ValueError, match=r"parameter 'w1' .* replaced by a DTensor with placements \(Shard\(dim=0\),\)"
+    ):
+        model(torch.randn(2, 5))
+    return "raised"
+
+
+def test_assigning_a_dtensor_of_other_placements_raises(run_dist) -> None:
+    assert run_dist(2, _assigned_other_placements) == ["raised", "raised"]

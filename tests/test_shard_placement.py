@@ -20,7 +20,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fsdp_compose as fc
@@ -308,6 +308,56 @@ def test_dim1_with_tensor_parallel_trains_like_the_reference(run_dist) -> None:
         assert r["placements"][f"{mlp}.proj.weight"] == (_StridedShard(1, split_factor=2), Shard(1))
         assert r["placements"]["head.weight"] == (Shard(1),)
         assert r["full_ok"]
+        assert r["diff"] <= TOL
+
+
+class _ColumnsTP(nn.Module):
+    """A (3, 13) weight that TP cuts on dim 1 (7/6 columns), gathered in forward (the same batch on both TP ranks
+    gives each its own columns' gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 13))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.full_tensor() if isinstance(self.weight, DTensor) else self.weight
+        return torch.tanh(x @ weight.T)
+
+
+def _same_dim_uneven(rank: int, ws: int) -> dict[str, Any]:
+    mesh = mesh_nd((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    reference = _ColumnsTP()
+    model = copy.deepcopy(reference)
+    model.weight = nn.Parameter(distribute_tensor(reference.weight.detach(), mesh["tp"], [Shard(1)]))
+    fc.fully_shard(model, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1))
+    dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    expected = chunk_or_empty(torch.chunk(reference.weight.detach(), 2, dim=1)[tp], dp, 2, 1)  # 7 -> 4/3, 6 -> 3/3
+    weight = model.weight
+    layout_ok = (
+        weight.placements == (_StridedShard(1, split_factor=2), Shard(1))
+        and torch.equal(weight.to_local(), expected)
+        and torch.equal(weight.full_tensor(), reference.weight.detach())
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x, target = torch.randn(8, 13, generator=gen), torch.randn(8, 3, generator=gen)
+        ref_opt.zero_grad()
+        (reference(x) - target).pow(2).mean().backward()
+        ref_opt.step()
+        opt.zero_grad()
+        (model(dp_slice(x, dp, 2)) - dp_slice(target, dp, 2)).pow(2).mean().backward()
+        opt.step()
+    return {"layout_ok": layout_ok, "diff": max_param_diff(model, reference)}
+
+
+def test_same_dim_as_tensor_parallel_with_uneven_sizes(run_dist) -> None:
+    """FSDP's Shard(1) on a dim TP already cut unevenly: a strided shard whose full_tensor() is the original weight,
+    and training matches the reference."""
+    for r in run_dist(4, _same_dim_uneven):
+        assert r["layout_ok"]
         assert r["diff"] <= TOL
 
 

@@ -311,6 +311,44 @@ def test_dim1_with_tensor_parallel_trains_like_the_reference(run_dist) -> None:
         assert r["diff"] <= TOL
 
 
+def _unfrozen_and_offloaded(rank: int, ws: int) -> dict[str, Any]:
+    """w1 frozen and kept whole under frozen_params="replicate", then unfrozen: the unit lays it out again on dim 1.
+    With CPU offload, so the shards and their gradients live in host memory."""
+    torch.manual_seed(0)
+    reference = Experts()
+    model = copy.deepcopy(reference)
+    reference.w1.requires_grad_(False)
+    model.w1.requires_grad_(False)
+    fc.fully_shard(
+        model,
+        mesh=mesh_1d(ws),
+        shard_placement_fn=_experts_placement,
+        frozen_params="replicate",
+        offload_policy=fc.CPUOffloadPolicy(),
+    )
+    whole_first = model.w1.placements == (Replicate(),)
+    opt, ref_opt = _adamw(model), _adamw(reference)
+    _experts_step(reference, ref_opt, 0, 0, 1, 1)
+    _experts_step(model, opt, 0, rank, ws, 1)
+    reference.w1.requires_grad_(True)
+    model.w1.requires_grad_(True)
+    for step in (1, 2):
+        _experts_step(reference, ref_opt, step, 0, 1, 1)
+        _experts_step(model, opt, step, rank, ws, 1)
+    w1 = model.w1
+    sharded_after = w1.placements == (Shard(1),) and torch.equal(
+        w1.to_local(), chunk_or_empty(w1.full_tensor(), rank, ws, 1)
+    )
+    return {"whole_first": whole_first, "sharded_after": sharded_after, "diff": max_param_diff(model, reference)}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_unfreezing_lays_out_on_the_chosen_dim(run_dist, ws: int) -> None:
+    for r in run_dist(ws, _unfrozen_and_offloaded):
+        assert r["whole_first"] and r["sharded_after"]
+        assert r["diff"] <= TOL
+
+
 class _ColumnsTP(nn.Module):
     """A (3, 13) weight that TP cuts on dim 1 (7/6 columns), gathered in forward (the same batch on both TP ranks
     gives each its own columns' gradient)."""

@@ -270,12 +270,13 @@ def test_mixed_dims_train_like_the_reference(run_dist, ws: int, reshard: bool | 
 
 
 def _dim1(param: nn.Parameter) -> Shard | None:
-    """torchtitan-like: every matrix on its dim 1 (width 18 over 2 shard ranks: 9/9; the MLP's 72 and 36 too)."""
+    """torchtitan-like: every matrix on its dim 1. With width 15, 15 columns over 2 shard ranks are 8/7; under TP
+    the colwise fc.weight keeps its 15 columns (8/7), the rowwise proj.weight's 60 become 30 per TP rank (15/15)."""
     return Shard(1) if param.ndim == 2 else None
 
 
 def _gpt_on_mesh(rank: int, ws: int, kind: str) -> dict[str, Any]:
-    cfg = GPTConfig()
+    cfg = GPTConfig(dim=15)
     reference, model = reference_and_copy(cfg)
     if kind == "hsdp":
         dp_mesh = mesh_nd((2, 2), ("replicate", "shard"))
@@ -288,11 +289,15 @@ def _gpt_on_mesh(rank: int, ws: int, kind: str) -> dict[str, Any]:
     full_ok = all(
         torch.equal(p.full_tensor(), dict(reference.named_parameters())[n]) for n, p in model.named_parameters()
     )
-    return {"placements": placements, "full_ok": full_ok, "diff": train_on_dp_mesh(model, reference, cfg, dp_mesh)}
+    columns = model.blocks[0].mlp.fc.weight.to_local().shape[1]  # 15 over the shard group: 8 or 7
+    diff = train_on_dp_mesh(model, reference, cfg, dp_mesh)
+    return {"placements": placements, "full_ok": full_ok, "columns": columns, "diff": diff}
 
 
 def test_dim1_hsdp_2x2_trains_like_the_reference(run_dist) -> None:
-    for r in run_dist(4, _gpt_on_mesh, "hsdp"):
+    results = run_dist(4, _gpt_on_mesh, "hsdp")
+    assert sorted(r["columns"] for r in results) == [7, 7, 8, 8]
+    for r in results:
         assert r["placements"]["head.weight"] == (Replicate(), Shard(1))
         assert r["placements"]["blocks.0.ln1.weight"] == (Replicate(), Shard(0))
         assert r["full_ok"]
@@ -302,7 +307,9 @@ def test_dim1_hsdp_2x2_trains_like_the_reference(run_dist) -> None:
 def test_dim1_with_tensor_parallel_trains_like_the_reference(run_dist) -> None:
     """FSDP's Shard(1) over TP's colwise Shard(0) (different dims) and over rowwise Shard(1) (the same dim: a
     strided shard, as FSDP2 makes it)."""
-    for r in run_dist(4, _gpt_on_mesh, "tp"):
+    results = run_dist(4, _gpt_on_mesh, "tp")
+    assert sorted(r["columns"] for r in results) == [7, 7, 8, 8]
+    for r in results:
         mlp = "blocks.0.mlp"
         assert r["placements"][f"{mlp}.fc.weight"] == (Shard(1), Shard(0))
         assert r["placements"][f"{mlp}.proj.weight"] == (_StridedShard(1, split_factor=2), Shard(1))

@@ -280,6 +280,10 @@ def _gpt_on_mesh(rank: int, ws: int, kind: str) -> dict[str, Any]:
     reference, model = reference_and_copy(cfg)
     if kind == "hsdp":
         dp_mesh = mesh_nd((2, 2), ("replicate", "shard"))
+    elif kind == "hsdp_tp":
+        mesh = mesh_nd((2, 2, 2), ("replicate", "shard", "tp"))
+        dp_mesh = mesh["replicate", "shard"]
+        tp_mlps(model, mesh["tp"])
     else:
         mesh = mesh_nd((2, 2), ("dp", "tp"))
         dp_mesh = mesh["dp"]
@@ -314,6 +318,16 @@ def test_dim1_with_tensor_parallel_trains_like_the_reference(run_dist) -> None:
         assert r["placements"][f"{mlp}.fc.weight"] == (Shard(1), Shard(0))
         assert r["placements"][f"{mlp}.proj.weight"] == (_StridedShard(1, split_factor=2), Shard(1))
         assert r["placements"]["head.weight"] == (Shard(1),)
+        assert r["full_ok"]
+        assert r["diff"] <= TOL
+
+
+@pytest.mark.slow
+def test_dim1_with_hsdp_and_tensor_parallel_3d(run_dist) -> None:
+    results = run_dist(8, _gpt_on_mesh, "hsdp_tp")
+    assert sorted(r["columns"] for r in results) == [7] * 4 + [8] * 4
+    for r in results:
+        assert r["placements"]["blocks.0.mlp.proj.weight"] == (Replicate(), _StridedShard(1, split_factor=2), Shard(1))
         assert r["full_ok"]
         assert r["diff"] <= TOL
 

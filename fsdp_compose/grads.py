@@ -1,7 +1,7 @@
 """Gradient reduction of one unit: a small state machine from autograd's full gradients to sharded ``.grad``.
 
 Only trainable parameters (``requires_grad`` as of the last trainability refresh) take part, laid out with the same
-``torch.chunk`` row split as the parameters but in their own flat layout, so frozen parameters never cost
+``torch.chunk`` split as the parameters but in their own flat layout, so frozen parameters never cost
 reduce-scatter bytes. The pipeline's states (``GradState``) and what moves it::
 
     IDLE --capture/accumulate--> ACCUMULATING   full gradients written (or added) into a (world_size, segment + tail)
@@ -130,7 +130,9 @@ class UnitGradients:
         self.trainable = [mp for mp in params if mp.trainable]
         sharded = [mp for mp in self.trainable if mp.slot is not None]
         world_size = self.spec.dp.shard_size
-        self.layout = FlatLayout.build([mp.placing.local_shape for mp in sharded], world_size)
+        self.layout = FlatLayout.build(
+            [mp.placing.local_shape for mp in sharded], world_size, [mp.placing.shard_dim for mp in sharded]
+        )
         self.slot = {id(mp): i for i, mp in enumerate(sharded)}  # sharded trainable parameter -> layout slot
         self.scalar = {id(mp): i for i, mp in enumerate(mp for mp in self.trainable if mp.slot is None)}
         self.column = {id(mp): i for i, mp in enumerate(self.trainable)}  # its "had a gradient" flag column
@@ -139,7 +141,7 @@ class UnitGradients:
         self.padding = [
             (rank, slot.offset + rows * slot.row_numel, slot.offset + slot.numel)
             for slot in self.layout.slots
-            for rank, rows in enumerate(chunk_rows(slot.shape[0], world_size))
+            for rank, rows in enumerate(chunk_rows(slot.dim_size, world_size))
             if rows < slot.rows
         ]
 

@@ -2,15 +2,15 @@
 
 The ``mesh`` given to ``fully_shard`` is the data-parallel mesh: 1-D (shard) or 2-D (replicate, shard) for HSDP.
 A parameter that is already a DTensor (tensor parallel, from ``parallelize_module`` on a mesh sharing the same root
-mesh) keeps its TP placements; FSDP shards its *local* TP tensor on dim 0. The resulting DTensor lives on the
-combined mesh, data-parallel dims first::
+mesh) keeps its TP placements; FSDP shards its *local* TP tensor on dim 0 (or the dim ``k`` that
+``shard_placement_fn`` chose). The resulting DTensor lives on the combined mesh, data-parallel dims first::
 
-    1-D FSDP           (Shard(0),)
-    HSDP               (Replicate(), Shard(0))
-    FSDP + TP          (Shard(0) | _StridedShard(0, split_factor=tp), *tp_placements)
-    HSDP + TP          (Replicate(), Shard(0) | _StridedShard(...), *tp_placements)
+    1-D FSDP           (Shard(k),)
+    HSDP               (Replicate(), Shard(k))
+    FSDP + TP          (Shard(k) | _StridedShard(k, split_factor=tp), *tp_placements)
+    HSDP + TP          (Replicate(), Shard(k) | _StridedShard(...), *tp_placements)
 
-``_StridedShard`` says that dim 0 was split by TP first and then by FSDP, so ``full_tensor()`` reassembles rows in
+``_StridedShard`` says that dim ``k`` was split by TP first and then by FSDP, so ``full_tensor()`` reassembles rows in
 the right order. Parameters kept whole (0-dim, or frozen under ``frozen_params="replicate"``) use ``Replicate()``
 on the data-parallel dims.
 """
@@ -125,19 +125,19 @@ class DataParallelMesh:
         """All data-parallel ranks: gradients are averaged over replicate x shard."""
         return self.shard_size * self.replicate_size
 
-    def placements(self, *, whole: bool, split_factor: int) -> tuple[Placement, ...]:
+    def placements(self, *, whole: bool, split_factor: int, dim: int = 0) -> tuple[Placement, ...]:
         if whole:
             shard: Placement = Replicate()
         elif split_factor > 1:
-            shard = _StridedShard(0, split_factor=split_factor)
+            shard = _StridedShard(dim, split_factor=split_factor)
         else:
-            shard = Shard(0)
+            shard = Shard(dim)
         return (Replicate(), shard) if self.replicate_group is not None else (shard,)
 
 
 @dataclass(frozen=True)
 class ParamPlacing:
-    """Where one parameter lives before FSDP (TP part) and what FSDP shards (``local_shape``'s dim 0)."""
+    """Where one parameter lives before FSDP (TP part) and what FSDP shards (``local_shape``'s dim ``shard_dim``)."""
 
     global_shape: torch.Size
     global_stride: tuple[int, ...]
@@ -145,14 +145,15 @@ class ParamPlacing:
     spmd_mesh: DeviceMesh  # data-parallel dims, then TP dims
     tp_mesh: DeviceMesh | None
     tp_placements: tuple[Placement, ...]
+    shard_dim: int = 0  # the dim FSDP shards (``shard_placement_fn``), normalized: 0 <= shard_dim < ndim
 
     @property
     def split_factor(self) -> int:
-        """How many TP pieces dim 0 was already cut into (1 when TP does not shard dim 0)."""
+        """How many TP pieces the shard dim was already cut into (1 when TP does not shard that dim)."""
         factor = 1
         assert self.tp_mesh is None or self.tp_mesh.ndim == len(self.tp_placements)
         for dim, placement in enumerate(self.tp_placements):
-            if isinstance(placement, Shard) and placement.dim == 0:
+            if isinstance(placement, Shard) and placement.dim == self.shard_dim:
                 assert self.tp_mesh is not None
                 factor *= self.tp_mesh.size(dim)
         return factor
@@ -171,10 +172,10 @@ def _root(mesh: DeviceMesh) -> DeviceMesh:
     return get_root() if callable(get_root) else mesh
 
 
-def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str) -> ParamPlacing:
+def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str, shard_dim: int = 0) -> ParamPlacing:
     """The placing of ``param`` under ``dp_mesh``; raises a clear error for a DTensor FSDP cannot compose with."""
     if not isinstance(param, DTensor):
-        return ParamPlacing(param.shape, contiguous_stride(param.shape), param.shape, dp_mesh, None, ())
+        return ParamPlacing(param.shape, contiguous_stride(param.shape), param.shape, dp_mesh, None, (), shard_dim)
     tp_mesh = param.device_mesh
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
     if dp_names is not None and tp_names is not None and set(dp_names) & set(tp_names):
@@ -207,6 +208,7 @@ def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str
         spmd_mesh,
         tp_mesh,
         tuple(param.placements),
+        shard_dim,
     )
 
 

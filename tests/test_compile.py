@@ -82,6 +82,10 @@ def _build(
             block.compile(backend=BACKEND)
         elif mode == "fullgraph":
             block.compile(backend=BACKEND, fullgraph=True)
+        elif mode == "after_sharding":  # the other order: shard, then compile in place
+            shard(block, mesh=mesh, **kwargs)
+            block.compile(backend=BACKEND)
+            continue
         elif mode == "checkpoint_around":  # the unit (hooks included) runs again in backward's recompute
             block.compile(backend=BACKEND)
             shard(block, mesh=mesh, **kwargs)
@@ -136,7 +140,7 @@ def _compile_mode(rank: int, ws: int, mode: str) -> tuple[float, int]:
     return _train(model, reference, mesh_1d(ws)), _compiled_graphs()
 
 
-@pytest.mark.parametrize("mode", ["wrapper", "in_place", "fullgraph", "model"])
+@pytest.mark.parametrize("mode", ["wrapper", "in_place", "fullgraph", "after_sharding", "model"])
 def test_each_way_to_compile_trains_like_the_eager_reference(run_dist, mode: str) -> None:
     for diff, graphs in run_dist(2, _compile_mode, mode):
         assert graphs >= 1  # the blocks really ran compiled

@@ -167,11 +167,12 @@ def render(results: list[dict[str, Any]], args: BenchArgs, backend: str, command
         peak_ratios = [f"{peak[f'fc_{m}'] / peak[f'fsdp2_{m}']:.2f}" for m in ("eager", "compiled")]
         mem_rows.append([config, "fsdp_compose / FSDP2", *peak_ratios, ""])
         losses = " / ".join(f"{res['loss'][n]:.5f}" for n in IMPLS)
-        warm = ", ".join(f"{n} {res['warmup_s'][n]:.1f} s ({res['graphs'][n]} graphs)" for n in IMPLS)
+        warm = ", ".join(f"{n} {res['warmup_s'][n]:.1f} s (graphs: {res['graphs'][n]})" for n in IMPLS)
         notes.append(f"- {config}: final losses {' / '.join(IMPLS)}: {losses}. Two warm-up steps: {warm}.")
-    notes.append(
-        "Warm-up includes compilation; fc_compiled compiles first in each config, and fsdp2_compiled then finds the "
-        "same block graph's kernels in inductor's cache, so the two warm-up times do not compare the libraries."
+    warm_note = (
+        "Warm-up includes compilation; fc_compiled compiles first in each config, and fsdp2_compiled then reuses the "
+        "compiler's caches for the same block graph (inductor's kernels), so the two warm-up times do not compare "
+        "the libraries."
     )
     parts = [
         header,
@@ -183,6 +184,7 @@ def render(results: list[dict[str, Any]], args: BenchArgs, backend: str, command
         "temporaries, not the parameters and optimizer state already there.",
         _table(["config", "implementation", "eager", "compiled", "compiled / eager"], mem_rows),
         "\n".join(notes),
+        warm_note,
     ]
     return "\n\n".join(parts) + "\n"
 

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import labelled
 from .policies import MixedPrecisionPolicy
-from .step import StepContext, in_backward
+from .step import StepContext, check_not_compiled_autograd, in_backward
 from .transitions import checked
 from .unit import ShardedUnit, UnitState
 
@@ -359,6 +359,7 @@ class ShardState:
         with labelled("fsdp_compose::pre_backward"):
             if self.phase is UnitPhase.BACKWARD:
                 return  # another output of this unit: already gathered
+            check_not_compiled_autograd(self.unit.owner_name)
             root = self.root
             if root is not None and root.ctx is not None:
                 root.ctx.begin_backward()

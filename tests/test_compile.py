@@ -9,6 +9,7 @@ toolchain. The graph-break test counts against torch's own ``fully_shard`` on th
 from __future__ import annotations
 
 import copy
+import pickle
 from typing import Any, cast
 
 import pytest
@@ -203,7 +204,9 @@ def _compiled_on_2x2(rank: int, ws: int, layout: str) -> tuple[float, int]:
         dp_mesh = mesh["dp"]
         model, reference = _build("in_place", mesh=dp_mesh, tp_mesh=mesh["tp"])
         # compile guards on DTensor parameters deep-copy their mesh: the groups fully_shard caches on it must copy
+        # (and pickle) with it
         copy.deepcopy(mesh)
+        pickle.loads(pickle.dumps(mesh))
     return _train(model, reference, dp_mesh), _compiled_graphs()
 
 
@@ -211,6 +214,29 @@ def _compiled_on_2x2(rank: int, ws: int, layout: str) -> tuple[float, int]:
 def test_compiled_blocks_on_2x2_meshes(run_dist, layout: str) -> None:
     for diff, graphs in run_dist(4, _compiled_on_2x2, layout):
         assert graphs >= 1
+        assert diff <= FP32_TOL
+
+
+# ------------------------------------------------------------------------------------------- compiled autograd
+def _under_compiled_autograd(rank: int, ws: int) -> tuple[str, float]:
+    """Compiled autograd replays the backward hooks wrongly (wrong gradients, also with torch's fully_shard): the
+    first backward hook refuses it before any collective, and the model trains normally afterwards."""
+    model, reference = _build("in_place", mesh=mesh_1d(ws))
+    inputs, targets = synthetic_batch(GPTConfig(), 8, 100)
+    loss = loss_fn(model(inputs.chunk(ws)[rank]), targets.chunk(ws)[rank])
+    message = ""
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend=BACKEND)):
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            message = str(exc)
+    fc.reset_step(model)  # reshards the root, so that the optimizer below gets the sharded parameters
+    return message, _train(model, reference, mesh_1d(ws))
+
+
+def test_compiled_autograd_is_refused_with_a_clear_error(run_dist) -> None:
+    for message, diff in run_dist(2, _under_compiled_autograd):
+        assert "compiled autograd" in message and "Turn compiled autograd off" in message
         assert diff <= FP32_TOL
 
 

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import labelled
 from .policies import MixedPrecisionPolicy
-from .step import StepContext, in_backward
+from .step import StepContext, check_not_compiled_autograd, in_backward
 from .transitions import checked
 from .unit import ShardedUnit, UnitState
 
@@ -367,6 +367,7 @@ class ShardState:
             self._begin_unit_backward()
 
     def _begin_unit_backward(self) -> None:
+        check_not_compiled_autograd(self.unit.owner_name)
         root = self.root
         if root is not None and root.ctx is not None:
             root.ctx.begin_backward()

@@ -225,7 +225,7 @@ def test_order_holds_for_a_unit_last_in_backward_used_on_some_ranks(run_dist, pr
 def test_order_holds_through_a_backward_that_raises(run_dist, ws: int, fail: str) -> None:
     """Step 1's backward raises in b0 after the ranks whose loss used the kept branch issued its reduce-scatter
     (the others issue it only in the final callback, which never comes): every rank still issues the same
-    collectives, and the step leaves nothing behind (randomized seed 109 hung here at 4 ranks)."""
+    collectives, and the step leaves nothing behind (`python -m tests.random_sweep --seeds 109 --ws 4` hung here)."""
     results = run_dist(ws, _order, "even", True, False, False, False, fail)
     for result in results:
         assert result["record"] == results[0]["record"]
@@ -300,7 +300,8 @@ def _checkpoint_around_order(rank: int, ws: int) -> dict[str, Any]:
 def test_order_holds_for_a_unit_recomputed_before_its_pre_backward(run_dist, ws: int) -> None:
     """A checkpoint around a unit that contains another: the inner unit's recompute runs before its own pre-backward
     hook. It starts its backward there (no second all-gather), so a rank that already blocks on a reduce-scatter its
-    peers issue only in their final callback is not waited for (randomized seed 407 hung here)."""
+    peers issue only in their final callback is not waited for (`python -m tests.random_sweep --seeds 407` hung
+    here)."""
     results = run_dist(ws, _checkpoint_around_order)
     for result in results:
         assert result["record"] == results[0]["record"]

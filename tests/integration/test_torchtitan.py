@@ -122,7 +122,6 @@ def test_llama3_debug_model_matches_torch_fully_shard(run_dist) -> None:
     torch_run = run_dist(2, _train, "torch")[0]
     fc_run = run_dist(2, _train, "fc")[0]
     unguarded = run_dist(2, _train, "fc_without_guard_patch")[0]
-    print(f"\ntorchtitan llama3 debug model, 2 ranks: torch {torch_run}\n  fc {fc_run}\n  fc unguarded {unguarded}")
     assert fc_run["loss"] == pytest.approx(torch_run["loss"], rel=1e-5)
     assert fc_run["grad_norm"] == pytest.approx(torch_run["grad_norm"], rel=1e-5)
     assert fc_run["reduce_scatters"] == torch_run["reduce_scatters"]

@@ -9,29 +9,17 @@ in Lightning's ``_FSDPNoSync`` guard (``or fc.has_fsdp2_methods(mod)``). Without
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest.importorskip("lightning")
+from tests.integration.launch import run_script
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("lightning")
 
 
 def _run(variant: str) -> dict[str, Any]:
-    script = Path(__file__).with_name("lightning_fabric_run.py")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    done = subprocess.run([*command, str(script), variant], capture_output=True, text=True, env=env, timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(lines[0].removeprefix("RESULT "))
-    return result
+    return run_script("lightning_fabric_run.py", variant)
 
 
 def test_fabric_model_parallel_strategy_matches_torch_fully_shard() -> None:

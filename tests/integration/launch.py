@@ -1,0 +1,23 @@
+"""Runs a script of this folder under torchrun (2 ranks) and returns the JSON its rank 0 printed after ``RESULT``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(name: str, variant: str) -> dict[str, Any]:
+    script = Path(__file__).with_name(name)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run([*command, str(script), variant], capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(lines[0].removeprefix("RESULT "))
+    return result

@@ -261,6 +261,8 @@ def has_fsdp2_methods(module: nn.Module) -> bool:
     drop-in replacement for ``isinstance(module, FSDPModule)`` in guards before calling those methods."""
     if isinstance(module, FSDPModule):
         return True
+    if not isinstance(module, nn.Module):  # False like isinstance, so it drops into any guard
+        return False
     return get_state(module) is not None and isinstance(module.__dict__.get("set_requires_gradient_sync"), _BoundMethod)
 
 

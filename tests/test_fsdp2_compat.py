@@ -235,6 +235,7 @@ def _methods(rank: int, ws: int) -> dict[str, Any]:
         fc.has_fsdp2_methods(bound[0]),
         fc.has_fsdp2_methods(torch_model[0]),
         fc.has_fsdp2_methods(_shard_blocks(_net(), fc.fully_shard, mesh=mesh)),
+        fc.has_fsdp2_methods("not a module"),  # type: ignore[arg-type]
         isinstance(bound, torch_fsdp.FSDPModule),
         "set_requires_gradient_sync" in vars(type(bound)),
     )
@@ -262,7 +263,7 @@ def test_bound_methods_behave_as_fsdp2s(run_dist) -> None:
         for summed, expected in zip(r["summed"], r["expected"], strict=True):
             # set_gradient_divide_factor(1.0) on every unit (torchtitan's loop): the plain sum over ranks
             torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-5)
-        assert r["flags"] == (True, True, False, False, False)
+        assert r["flags"] == (True, True, False, False, False, False)
         assert r["sync"] == (True, False)
         assert r["unsharded"] and r["resharded"]
 

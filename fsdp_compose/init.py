@@ -107,6 +107,11 @@ def fully_shard(
     else:
         mesh = _resolve_mesh(mesh, owner_name)
     reshard_after_forward = reshard_after_forward_setting(reshard_after_forward, mesh, owner_name)
+    if dims is not None and isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard on {owner_name}: reshard_after_forward={reshard_after_forward} (a group size) with "
+            "dp_mesh_dims is not supported (nor by torch's fully_shard); use True or False"
+        )
     if extensions is not None and not isinstance(extensions, ShardExtensions):
         raise TypeError(f"extensions must be an fc.ShardExtensions, got {type(extensions).__name__}")
     if frozen_params not in ("shard", "replicate"):

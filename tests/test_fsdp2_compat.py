@@ -268,6 +268,23 @@ def test_bound_methods_behave_as_fsdp2s(run_dist) -> None:
         assert r["unsharded"] and r["resharded"]
 
 
+def _hsdp_methods(rank: int, ws: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    mesh = mesh_nd((2, 2), ("replicate", "shard"))
+    ours = _shard_blocks(_net(), fc.fully_shard, mesh=mesh, fsdp2_methods=True)
+    theirs = _shard_blocks(_net(), torch_fsdp.fully_shard, mesh=mesh)
+    # FSDP2's set_requires_gradient_sync sets the all-reduce over replicas too: the synced micro-batch's
+    # set_requires_gradient_sync(True) turns back on the all-reduce switched off here, in both.
+    for model in (ours, theirs):
+        model.set_requires_all_reduce(False)  # type: ignore[operator]
+    return _accumulate(ours, rank, ws, divide_by_sum=False), _accumulate(theirs, rank, ws, divide_by_sum=False)
+
+
+def test_bound_gradient_sync_switches_the_hsdp_all_reduce_too(run_dist) -> None:
+    for ours, theirs in run_dist(4, _hsdp_methods):
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _settings(rank: int, ws: int) -> list[str]:
     mesh = mesh_1d(ws)
     model = _shard_blocks(_net(), fc.fully_shard, mesh=mesh, fsdp2_methods=True)

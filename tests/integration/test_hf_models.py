@@ -53,6 +53,35 @@ def _build(arch: str) -> tuple[nn.Module, bool]:
     raise AssertionError(arch)
 
 
+def _lora(rank: int, ws: int) -> float:
+    """peft LoRA on Qwen2: base weights frozen, adapters trainable, every decoder layer sharded."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base, _ = _build("qwen2")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model.eval()
+    reference = copy.deepcopy(model)
+    for layer in model.base_model.model.model.layers:
+        fc.fully_shard(layer, mesh=mesh_1d(ws))
+    fc.fully_shard(model, mesh=mesh_1d(ws))
+    trainable = [[p for p in m.parameters() if p.requires_grad] for m in (model, reference)]
+    opts = [torch.optim.AdamW(ps, lr=1e-2) for ps in trainable]
+    for step in range(2):
+        batch = _batch("qwen2", step)
+        local = {k: v.chunk(ws)[rank] for k, v in batch.items()}
+        for m, opt, inputs in ((model, opts[0], local), (reference, opts[1], batch)):
+            opt.zero_grad()
+            m(**inputs).loss.backward()
+            opt.step()
+    return max_param_diff(model, reference)
+
+
+def test_peft_lora_trains_like_the_reference(run_dist) -> None:
+    for diff in run_dist(2, _lora):
+        assert diff < 3e-4
+
+
 def _batch(arch: str, step: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(step)
     if arch == "vit":

@@ -5,7 +5,6 @@ prints one JSON line (rank 0). ``argv[1]``: ``torch``, ``fc`` (with the guard pa
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -20,6 +19,7 @@ from transformers.distributed import DistributedConfig
 
 import fsdp_compose as fc
 from tests.integration.counting import CollectiveCounter
+from tests.integration.launch import finish_rank
 
 VARIANT = sys.argv[1]
 
@@ -79,16 +79,11 @@ with counter:
     result = trainer.train()
 losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
 params = [p.full_tensor().flatten()[:8].tolist() for p in model.parameters()]
-if dist.get_rank() == 0:
-    sys.stdout.write(
-        "RESULT "
-        + json.dumps(
-            {
-                "loss": losses,
-                "reduce_scatters": counter.counts["reduce_scatter"],
-                "params": params,
-                "wrapped": type(trainer.model_wrapped).__name__,
-            }
-        )
-        + "\n"
-    )
+finish_rank(
+    {
+        "loss": losses,
+        "reduce_scatters": counter.counts["reduce_scatter"],
+        "params": params,
+        "wrapped": type(trainer.model_wrapped).__name__,
+    }
+)

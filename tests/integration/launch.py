@@ -1,4 +1,5 @@
-"""Runs a script of this folder under torchrun (2 ranks) and returns the JSON its rank 0 printed after ``RESULT``."""
+"""Runs a script of this folder under torchrun (2 ranks) and returns the JSON its rank 0 printed after ``RESULT``;
+``finish_rank`` ends such a script."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def finish_rank(result: dict[str, Any]) -> None:
+    """Rank 0 prints ``result``; every rank then leaves as docs say gloo needs (a work object released at interpreter
+    exit can abort the process): barrier, destroy the process group, flush, ``os._exit(0)``."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_script(name: str, variant: str) -> dict[str, Any]:

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp_compose as fc
 from tests.integration.counting import CollectiveCounter
+from tests.integration.launch import finish_rank
 
 VARIANT = sys.argv[1]
 shard: Any = torch_fully_shard if VARIANT == "torch" else functools.partial(fc.fully_shard, fsdp2_methods=True)
@@ -67,7 +67,4 @@ for step in range(3):
     reduce_scatters.append(counter.counts["reduce_scatter"])
     losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
 params = [p.full_tensor().flatten().tolist() for p in model.parameters()]
-if fabric.global_rank == 0:
-    sys.stdout.write(
-        "RESULT " + json.dumps({"loss": losses, "reduce_scatters": reduce_scatters, "params": params}) + "\n"
-    )
+finish_rank({"loss": losses, "reduce_scatters": reduce_scatters, "params": params})

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_compose as fc
 from tests.integration.counting import CollectiveCounter
+from tests.integration.launch import finish_rank
 
 VARIANT = sys.argv[1]
 shard: Any = torch_fully_shard if VARIANT == "torch" else functools.partial(fc.fully_shard, fsdp2_methods=True)
@@ -66,6 +66,4 @@ counter = CollectiveCounter()
 with counter:
     trainer.fit(model, DataLoader(data, batch_size=2, shuffle=False))
 params = [p.full_tensor().flatten().tolist() for p in model.net.parameters()]
-if trainer.global_rank == 0:
-    result = {"loss": model.losses, "reduce_scatters": counter.counts["reduce_scatter"], "params": params}
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+finish_rank({"loss": model.losses, "reduce_scatters": counter.counts["reduce_scatter"], "params": params})

@@ -39,7 +39,7 @@ fc.fully_shard(model, mesh=mesh)                         # the root takes the re
 assert type(model) is GPT                                # still your class
 fc.print_description(model, params=False)                # units, meshes, bytes, policies (printed on rank 0)
 
-optimizer = torch.optim.AdamW(model.parameters())        # parameters are nn.Parameter(DTensor), Shard(0)
+optimizer = torch.optim.AdamW(model.parameters())        # after fully_shard: nn.Parameter(DTensor), Shard(0)
 train_step(model)
 fc.clip_grad_norm_(model.parameters(), 1.0)              # right on any mix of meshes
 optimizer.step()

@@ -129,13 +129,18 @@ def set_collective_checks(module: nn.Module, enabled: bool = True) -> None:
 
 
 def reset_step(module: nn.Module) -> None:
-    """Forget the current step of the root ``module`` (or of the root above it): complete the collectives it
-    issued, drop the gradients it holds but has not delivered to ``.grad`` yet (no-sync accumulation included),
-    reshard every unit.
+    """Forget the current step of the root ``module`` (or of the root above it): complete this rank's side of
+    the step's collectives, drop the gradients it holds but has not delivered to ``.grad`` yet (no-sync accumulation
+    included), reshard every unit.
 
-    Not needed after an exception: the next forward of the root does the same for a step that did not finish (the
-    gradients of an interrupted accumulation window are dropped, since the failed micro-batch's are mixed in).
-    Every rank must call it at the same point.
+    Not needed after an exception raised on every rank: the next forward of the root does the same for a step that
+    did not finish (the gradients of an interrupted accumulation window are dropped, since the failed micro-batch's
+    are mixed in). A backward that was interrupted is completed to its end — every all-gather and reduce-scatter it
+    would have issued, with the results thrown away — so ranks that stopped at different points agree again. That
+    also covers an exception on one rank only (an out-of-memory error on one device): call ``reset_step`` in the
+    ``except`` clause before any other collective, and the other ranks' backward completes; then agree across ranks
+    to skip the step (their ``.grad`` holds a full step's gradients: ``zero_grad``). Without a backward running,
+    every rank must call it at the same point.
     """
     state = _require_state(module, "reset_step")
     root = state.root

@@ -350,9 +350,17 @@ def _unit_notes(unit: UnitDescription) -> str:
     elsewhere = {p.device.type for p in unit.params if p.device.type != unit.device_type}
     notes = [f"{frozen} frozen"] if frozen else []
     notes += [f"{whole} kept whole"] if whole else []
+    dims = [_shard_dim(p, unit) for p in unit.params]
+    notes += [f"{dims.count(d)} sharded on dim {d}" for d in sorted({d for d in dims if d})]
     notes += [f"TP parameters on {m}" for m in sorted(other_mesh)]
     notes += [f"shards on {d}" for d in sorted(elsewhere)]
     return ", ".join(notes)
+
+
+def _shard_dim(param: ParamDescription, unit: UnitDescription) -> int:
+    """The dim data parallelism shards ``param`` on (``shard_placement_fn``); 0 also for a kept-whole one."""
+    placement = param.placements[len(unit.mesh_shape) - 1]
+    return placement.dim if isinstance(placement, Shard) else 0
 
 
 def _render_compact(units: list[UnitDescription]) -> list[str]:

@@ -1,7 +1,8 @@
 """A unit's parameters as this rank's shards: one flat buffer, and DTensor parameters that are views into it.
 
-Parameters are *sharded* (``Shard(0)``, rows in ``flat``) or *kept whole* on every rank (``Replicate()``, never
-communicated): 0-dim parameters, and frozen ones under ``frozen_params="replicate"``.
+Parameters are *sharded* (``Shard(0)``, or the dim ``shard_placement_fn`` chose; rows in ``flat``) or *kept whole*
+on every rank (``Replicate()``, never communicated): 0-dim parameters, and frozen ones under
+``frozen_params="replicate"``.
 
 The sharded parameters' local tensors are views into ``flat``, so the all-gather reads them with no copy-in and the
 optimizer's in-place updates land in the buffer directly. Anything that breaks those views (``to_empty``,
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from .meshes import DataParallelMesh, ParamPlacing
 from .offload import UnitDevices
+from .replaced import ReplacedParams
 from .sharding import FlatLayout, local_rows
 
 logger = logging.getLogger(__name__)
@@ -166,6 +168,7 @@ class FlatShard:
             self._installed(mp)
         for _, p, _ in params:
             setattr(p, MOVED_ATTR, owner_name)
+        self.replaced = ReplacedParams(owner_name, [(fqn, p) for fqn, p, _ in params])
 
     def kept_whole(self, ndim: int, trainable: bool) -> bool:
         return ndim == 0 or (self.frozen_params == "replicate" and not trainable)
@@ -185,7 +188,9 @@ class FlatShard:
         this rank's shards of them. ``flat`` takes ``self.dtype``.
         """
         sharded = [i for i, w in enumerate(whole) if not w]
-        self.layout = FlatLayout.build([placings[i].local_shape for i in sharded], self.world_size)
+        self.layout = FlatLayout.build(
+            [placings[i].local_shape for i in sharded], self.world_size, [placings[i].shard_dim for i in sharded]
+        )
         on_meta = any(v.is_meta for v in values)
         self.flat = self.devices.new_flat(self.layout.segment_numel, self.dtype, meta=on_meta)
         slots: list[int | None] = [None] * len(values)
@@ -200,9 +205,9 @@ class FlatShard:
             else:
                 local = self.layout.shard_view(self.flat, slot, self.rank)
                 with torch.no_grad():
-                    local.copy_(local_rows(value, self.rank, self.world_size) if are_full else value)
+                    local.copy_(local_rows(value, self.rank, self.world_size, placing.shard_dim) if are_full else value)
             placements = placing.sharded_placements(
-                self.dp.placements(whole=slot is None, split_factor=placing.split_factor)
+                self.dp.placements(whole=slot is None, split_factor=placing.split_factor, dim=placing.shard_dim)
             )
             news.append(
                 _make_sharded_param(
@@ -264,7 +269,7 @@ class FlatShard:
         """Make every parameter a view into a fresh ``flat`` again, keeping the ``nn.Parameter`` objects.
 
         Picks up a parameter object the user registered in place of ours (it must be a DTensor of the same global
-        shape) and copies every current local shard into a new flat buffer (after ``to_empty``,
+        shape and placements) and copies every current local shard into a new flat buffer (after ``to_empty``,
         ``load_state_dict(assign=True)``, ``copy.deepcopy`` or ``model.to(dtype)``: the unit takes the dtype its
         parameters have now). Raises before changing anything when the parameters cannot be adopted.
         """
@@ -278,6 +283,13 @@ class FlatShard:
                     f"{type(current).__name__} of shape {tuple(getattr(current, 'shape', ()))}; a sharded "
                     "module needs DTensor parameters of the same global shape (use load_state_dict without "
                     "assign=True, or fc.load_full_state_dict)"
+                )
+            if isinstance(current, DTensor) and tuple(current.placements) != tuple(mp.sharded.placements):
+                # Its local tensor would be another piece of the parameter (e.g. Shard(0) rows for a Shard(1) one).
+                raise ValueError(
+                    f"parameter '{mp.fqn}' of the unit rooted at {self.owner_name} was replaced by a DTensor with "
+                    f"placements {tuple(current.placements)}, the unit shards it as {tuple(mp.sharded.placements)}; "
+                    "load values without assign=True (or redistribute the DTensor to those placements first)"
                 )
             currents.append(current)  # type: ignore[arg-type]
         dtypes = {c.dtype for c, mp in zip(currents, self.params, strict=True) if mp.slot is not None}
@@ -325,6 +337,7 @@ class FlatShard:
             for mp in self.params
         ]
         new.flat = torch.zeros(0, dtype=self.dtype, device="meta")
+        new.replaced = ReplacedParams(self.owner_name, [])
         return new
 
 

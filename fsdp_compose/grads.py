@@ -1,7 +1,7 @@
 """Gradient reduction of one unit: a small state machine from autograd's full gradients to sharded ``.grad``.
 
 Only trainable parameters (``requires_grad`` as of the last trainability refresh) take part, laid out with the same
-``torch.chunk`` row split as the parameters but in their own flat layout, so frozen parameters never cost
+``torch.chunk`` split as the parameters but in their own flat layout, so frozen parameters never cost
 reduce-scatter bytes. The pipeline's states (``GradState``) and what moves it::
 
     IDLE --capture/accumulate--> ACCUMULATING   full gradients written (or added) into a (world_size, segment + tail)
@@ -106,6 +106,9 @@ class UnitGradients:
         self.written: set[int] = set()  # parameters whose region in ``buffer`` holds a gradient already
         self.divide_factor: float | None = None  # fc.set_gradient_divide_factor (None: the data-parallel size)
         self.accumulating = False  # set by the state each forward: a no-sync micro-batch (gradients kept here)
+        # A failed step completes its collectives (every rank must) but hands nothing out: set by
+        # ``StepContext.abort_backward``, cleared by ``discard``.
+        self.dropping = False
         # (id of .grad, its version) per parameter when held gradients were last left between steps: a user's
         # zero_grad changes them, which tells that the held gradients must be dropped too.
         self._marks: dict[int, tuple[int, int, int]] = {}
@@ -127,7 +130,9 @@ class UnitGradients:
         self.trainable = [mp for mp in params if mp.trainable]
         sharded = [mp for mp in self.trainable if mp.slot is not None]
         world_size = self.spec.dp.shard_size
-        self.layout = FlatLayout.build([mp.placing.local_shape for mp in sharded], world_size)
+        self.layout = FlatLayout.build(
+            [mp.placing.local_shape for mp in sharded], world_size, [mp.placing.shard_dim for mp in sharded]
+        )
         self.slot = {id(mp): i for i, mp in enumerate(sharded)}  # sharded trainable parameter -> layout slot
         self.scalar = {id(mp): i for i, mp in enumerate(mp for mp in self.trainable if mp.slot is None)}
         self.column = {id(mp): i for i, mp in enumerate(self.trainable)}  # its "had a gradient" flag column
@@ -136,7 +141,7 @@ class UnitGradients:
         self.padding = [
             (rank, slot.offset + rows * slot.row_numel, slot.offset + slot.numel)
             for slot in self.layout.slots
-            for rank, rows in enumerate(chunk_rows(slot.shape[0], world_size))
+            for rank, rows in enumerate(chunk_rows(slot.dim_size, world_size))
             if rows < slot.rows
         ]
 
@@ -341,6 +346,8 @@ class UnitGradients:
                 flight.work.wait()
         self.flight = None
         self._to(GradState.IDLE)
+        if self.dropping:
+            return
         with labelled("fsdp_compose::deliver_gradients"):
             self._deliver(flight)
         if self.on_finished is not None:
@@ -443,6 +450,7 @@ class UnitGradients:
         self.written = set()
         self.locally_seen = set()
         self._marks = {}
+        self.dropping = False
         # ``_placeholders`` stay: a zero placeholder the user zeroed in place is still ``.grad`` and must be
         # replaced, not added into, at the next delivery.
         self.state = GradState.IDLE

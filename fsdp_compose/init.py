@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .extensions import ShardExtensions
 from .flat import MOVED_ATTR, OWNER_ATTR
@@ -76,7 +77,9 @@ def fully_shard(
     """Shard ``module``'s parameters over the data-parallel ranks of ``mesh`` and attach the hooks that gather them.
 
     The module keeps its class; its parameters become ``nn.Parameter(DTensor)`` with placement ``Shard(0)``, the
-    local shard being this rank's ``torch.chunk`` of dim 0. Call it on submodules first (e.g. every transformer
+    local shard being this rank's ``torch.chunk`` of dim 0. ``shard_placement_fn(param)`` may pick another dim per
+    parameter: ``Shard(k)`` (negative ``k`` counts from the end; sizes need not divide) or None for dim 0. Call it on
+    submodules first (e.g. every transformer
     block), then on the root: each call's unit holds the parameters not already held by a sharded submodule.
     A list of modules shares one unit (gathered once before the first of them runs).
 
@@ -131,12 +134,17 @@ def fully_shard(
     check_offload_policy(offload_policy, mesh, owner_name)
     params, lifts = _collect_params(modules, ignored, owner_name)
     device = _mesh_device(mesh)
-    _check_params(params, shard_placement_fn, owner_name)
+    shard_dims = _check_params(params, shard_placement_fn, owner_name)
     if dims is not None:
         assert spmd_mesh is not None
-        placings = [spmd_param_placing(fqn, p, spmd_mesh, dims, owner_name) for fqn, p, _ in params]
+        placings = [
+            spmd_param_placing(fqn, p, spmd_mesh, dims, owner_name, dim)
+            for (fqn, p, _), dim in zip(params, shard_dims, strict=True)
+        ]
     else:
-        placings = [param_placing(fqn, p, mesh, owner_name) for fqn, p, _ in params]
+        placings = [
+            param_placing(fqn, p, mesh, owner_name, dim) for (fqn, p, _), dim in zip(params, shard_dims, strict=True)
+        ]
 
     # Everything is validated: from here on the model changes.
     for m in modules:
@@ -410,7 +418,8 @@ def _check_params(
     params: list[_ParamEntry],
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     owner_name: str,
-) -> None:
+) -> list[int]:
+    """Raise for parameters fully_shard cannot take; return the dim each one is sharded on."""
     devices = {p.device for _, p, _ in params}
     if len(devices) > 1:
         listing = ", ".join(f"'{fqn}' on {p.device}" for fqn, p, _ in params[:8])
@@ -424,12 +433,6 @@ def _check_params(
                 f"parameter '{fqn}' of {owner_name} has dtype {param.dtype}; only floating-point parameters can be "
                 "sharded — pass it in ignored_params or make it a buffer"
             )
-        if shard_placement_fn is not None:
-            placement: Placement | None = shard_placement_fn(param)
-            if placement is not None and placement != Shard(0):
-                raise NotImplementedError(
-                    f"shard_placement_fn returned {placement} for '{fqn}'; only Shard(0) (or None) is supported yet"
-                )
     dtypes = {p.dtype for _, p, _ in params if p.ndim > 0}
     if len(dtypes) > 1:
         listing = ", ".join(f"'{fqn}': {p.dtype}" for fqn, p, _ in params[:8])
@@ -448,6 +451,35 @@ def _check_params(
                 "into a submodule and call fully_shard on that submodule first, or pass it in ignored_params (then "
                 "its gradient is not reduced)"
             )
+    if shard_placement_fn is None:
+        return [0] * len(params)
+    return [_shard_dim(fqn, param, shard_placement_fn(param), owner_name) for fqn, param, _ in params]
+
+
+def _shard_dim(fqn: str, param: nn.Parameter, placement: object, owner_name: str) -> int:
+    """The dim ``shard_placement_fn``'s answer shards ``param`` on: 0 for None, negative dims normalized."""
+    if isinstance(placement, Shard) and not isinstance(placement, _StridedShard):
+        if param.ndim == 0:
+            return 0  # kept whole on every rank: there is no dim to shard
+        dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+        if not 0 <= dim < param.ndim:
+            raise ValueError(
+                f"shard_placement_fn returned {placement!r} for '{fqn}' of {owner_name}, a parameter of shape "
+                f"{tuple(param.shape)}; return Shard(dim) with -{param.ndim} <= dim < {param.ndim} (or None for dim 0)"
+            )
+        return dim
+    if placement is None:
+        return 0
+    if type(placement).__name__ == "ShardPlacementResult":
+        raise NotImplementedError(
+            f"shard_placement_fn returned a ShardPlacementResult for '{fqn}' of {owner_name}; a mesh per parameter "
+            "is not supported: return Shard(dim) (or None) to shard it on this call's mesh, or call fc.fully_shard "
+            "on a submodule holding it first, with mesh= the mesh it should use"
+        )
+    raise TypeError(
+        f"shard_placement_fn returned {placement!r} for '{fqn}' of {owner_name}; it must return Shard(dim) to shard "
+        "the parameter on that dim, or None for dim 0"
+    )
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:

@@ -2,15 +2,15 @@
 
 The ``mesh`` given to ``fully_shard`` is the data-parallel mesh: 1-D (shard) or 2-D (replicate, shard) for HSDP.
 A parameter that is already a DTensor (tensor parallel, from ``parallelize_module`` on a mesh sharing the same root
-mesh) keeps its TP placements; FSDP shards its *local* TP tensor on dim 0. The resulting DTensor lives on the
-combined mesh, data-parallel dims first::
+mesh) keeps its TP placements; FSDP shards its *local* TP tensor on dim 0 (or the dim ``k`` that
+``shard_placement_fn`` chose). The resulting DTensor lives on the combined mesh, data-parallel dims first::
 
-    1-D FSDP           (Shard(0),)
-    HSDP               (Replicate(), Shard(0))
-    FSDP + TP          (Shard(0) | _StridedShard(0, split_factor=tp), *tp_placements)
-    HSDP + TP          (Replicate(), Shard(0) | _StridedShard(...), *tp_placements)
+    1-D FSDP           (Shard(k),)
+    HSDP               (Replicate(), Shard(k))
+    FSDP + TP          (Shard(k) | _StridedShard(k, split_factor=tp), *tp_placements)
+    HSDP + TP          (Replicate(), Shard(k) | _StridedShard(...), *tp_placements)
 
-``_StridedShard`` says that dim 0 was split by TP first and then by FSDP, so ``full_tensor()`` reassembles rows in
+``_StridedShard`` says that dim ``k`` was split by TP first and then by FSDP, so ``full_tensor()`` reassembles rows in
 the right order. Parameters kept whole (0-dim, or frozen under ``frozen_params="replicate"``) use ``Replicate()``
 on the data-parallel dims.
 """
@@ -141,7 +141,7 @@ def dp_mesh_from_dims(mesh: DeviceMesh, dims: DataParallelMeshDims, owner: str) 
 
 
 def spmd_param_placing(
-    fqn: str, param: nn.Parameter, mesh: DeviceMesh, dims: DataParallelMeshDims, owner: str
+    fqn: str, param: nn.Parameter, mesh: DeviceMesh, dims: DataParallelMeshDims, owner: str, shard_dim: int = 0
 ) -> ParamPlacing:
     """With ``dp_mesh_dims``: the placing of a DTensor parameter on the full SPMD ``mesh``, which it keeps.
 
@@ -185,7 +185,8 @@ def spmd_param_placing(
         mesh,
         mesh,
         tuple(param.placements),
-        positions,
+        shard_dim=shard_dim,
+        dp_positions=positions,
     )
 
 
@@ -218,19 +219,19 @@ class DataParallelMesh:
         """All data-parallel ranks: gradients are averaged over replicate x shard."""
         return self.shard_size * self.replicate_size
 
-    def placements(self, *, whole: bool, split_factor: int) -> tuple[Placement, ...]:
+    def placements(self, *, whole: bool, split_factor: int, dim: int = 0) -> tuple[Placement, ...]:
         if whole:
             shard: Placement = Replicate()
         elif split_factor > 1:
-            shard = _StridedShard(0, split_factor=split_factor)
+            shard = _StridedShard(dim, split_factor=split_factor)
         else:
-            shard = Shard(0)
+            shard = Shard(dim)
         return (Replicate(), shard) if self.replicate_group is not None else (shard,)
 
 
 @dataclass(frozen=True)
 class ParamPlacing:
-    """Where one parameter lives before FSDP (TP part) and what FSDP shards (``local_shape``'s dim 0)."""
+    """Where one parameter lives before FSDP (TP part) and what FSDP shards (``local_shape``'s dim ``shard_dim``)."""
 
     global_shape: torch.Size
     global_stride: tuple[int, ...]
@@ -238,6 +239,7 @@ class ParamPlacing:
     spmd_mesh: DeviceMesh  # data-parallel dims, then TP dims
     tp_mesh: DeviceMesh | None
     tp_placements: tuple[Placement, ...]
+    shard_dim: int = 0  # the dim FSDP shards (``shard_placement_fn``), normalized: 0 <= shard_dim < ndim
     # With dp_mesh_dims: (position in spmd_mesh, "replicate" | "shard") of each data-parallel dim. The parameter then
     # lives on the full mesh (tp_mesh == spmd_mesh, tp_placements with Replicate() there) and the data-parallel
     # placements go at these positions instead of in front.
@@ -245,13 +247,13 @@ class ParamPlacing:
 
     @property
     def split_factor(self) -> int:
-        """How many TP pieces dim 0 was already cut into before FSDP's rows (1 when TP does not shard dim 0): TP dims
-        after the data-parallel shard dim in mesh order (all of them when data-parallel dims come first)."""
+        """How many TP pieces the shard dim was already cut into before FSDP's (1 when TP does not shard that dim):
+        TP dims after the data-parallel shard dim in mesh order (all of them when data-parallel dims come first)."""
         factor = 1
         assert self.tp_mesh is None or self.tp_mesh.ndim == len(self.tp_placements)
         after = max((position for position, role in self.dp_positions if role == "shard"), default=-1)
         for dim, placement in enumerate(self.tp_placements):
-            if dim > after and isinstance(placement, Shard) and placement.dim == 0:
+            if dim > after and isinstance(placement, Shard) and placement.dim == self.shard_dim:
                 assert self.tp_mesh is not None
                 factor *= self.tp_mesh.size(dim)
         return factor
@@ -285,10 +287,10 @@ def _root(mesh: DeviceMesh) -> DeviceMesh:
     return get_root() if callable(get_root) else mesh
 
 
-def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str) -> ParamPlacing:
+def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str, shard_dim: int = 0) -> ParamPlacing:
     """The placing of ``param`` under ``dp_mesh``; raises a clear error for a DTensor FSDP cannot compose with."""
     if not isinstance(param, DTensor):
-        return ParamPlacing(param.shape, contiguous_stride(param.shape), param.shape, dp_mesh, None, ())
+        return ParamPlacing(param.shape, contiguous_stride(param.shape), param.shape, dp_mesh, None, (), shard_dim)
     tp_mesh = param.device_mesh
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
     if dp_names is not None and tp_names is not None and set(dp_names) & set(tp_names):
@@ -321,6 +323,7 @@ def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str
         spmd_mesh,
         tp_mesh,
         tuple(param.placements),
+        shard_dim,
     )
 
 

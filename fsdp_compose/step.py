@@ -235,6 +235,26 @@ class StepContext:
                 self.last_reduced = state
             self.next_reduction += 1
 
+    def issue_remaining_gathers(self, *, free: bool) -> None:
+        """Issue the backward all-gathers that no pre-backward reached on this rank (final callback and abort).
+
+        A later unit's pre-backward passes the cursor over a unit whose output missed this rank's loss, but nothing
+        passes the last units in backward order, and a backward that raised stopped the cursor wherever it was.
+        Other ranks gathered those units, so this rank issues the same all-gathers, with the same prefetches, in
+        the same order. Nothing here needs the results: with ``free`` each unit is resharded as soon as the cursor
+        has passed it, so at most a unit and its prefetch are gathered at a time.
+        """
+        while self.gather_cursor < len(self.backward_order):
+            passed = self.backward_order[self.gather_cursor]
+            self.gather_cursor += 1
+            passed.start_gather(async_op=True)
+            self._prefetch_after(passed)
+            if free and not passed.in_backward_phase:
+                passed.unit.reshard()
+
+    def _keeps_after_backward(self, state: ShardState) -> bool:
+        return not state.reshard_after_backward and not state.requires_gradient_sync
+
     def _final_callback(self) -> None:
         """End of backward (queued by the first pre-backward hook): finish every unit, then reset per-step state.
 
@@ -245,6 +265,7 @@ class StepContext:
         stale (an update through ``.data`` bumps no version counter to tell).
         """
         with labelled("fsdp_compose::final_callback"):
+            self.issue_remaining_gathers(free=not any(map(self._keeps_after_backward, self.states)))
             for state in reversed(self.states):
                 if state.post_backward_pending:
                     state.post_backward()
@@ -255,27 +276,43 @@ class StepContext:
                 if not state.reduces_now:
                     grads.accumulate()
                 grads.mark_held()
-                keep = not state.reshard_after_backward and not state.requires_gradient_sync
+                keep = self._keeps_after_backward(state)
                 if not keep and state.unit.state is not UnitState.SHARDED:
                     state.unit.reshard()
+                if state.unit.state is UnitState.GATHERING:
+                    state.unit.finish_unshard()
                 state.reset_step()
                 state.kept_unsharded = keep and state.unit.state is UnitState.UNSHARDED
+                state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
             self.gradients_held = any(state.unit.grads.state is GradState.ACCUMULATING for state in self.states)
             self.draining = False
             self._to(StepPhase.IDLE)
 
     def abort_backward(self) -> None:
-        """A backward that never reached its final callback (it raised): complete what every rank issued, drop the
-        gradients it held (partial: the failed micro-batch's are mixed in), reshard everything."""
+        """A step that never reached its final callback (it raised, or ``fc.reset_step``): drop its gradients.
+
+        A backward that raised stopped at a different point of the collective order on each rank (a unit reached
+        the loss on some ranks only; a rank raised alone), so every rank first completes the whole order, the same
+        for all: the remaining backward all-gathers, then every reduce-scatter (and HSDP all-reduce), staged with
+        whatever is there, waited for and thrown away. Then the gradients held but not delivered are dropped
+        (partial: the failed micro-batch's are mixed in) and every unit is resharded.
+        """
         logger.warning(
             "%s: the step did not finish (an exception, or fc.reset_step): gradients not yet in .grad are dropped",
             self.root.unit.owner_name,
         )
         for state in self.states:
-            state.unit.grads.discard()
+            state.unit.grads.dropping = True
             for mp in state.unit.params:
                 if mp.full is not None:
-                    mp.full.grad = None
+                    mp.full.grad = None  # partial; the reductions below carry zeros in their place
+        if self.phase is StepPhase.BACKWARD:
+            self.issue_remaining_gathers(free=True)
+            self.issue_reductions_in_order(final=True)
+            for state in reversed(self.states):
+                state.unit.grads.finish()
+        for state in self.states:
+            state.unit.grads.discard()
             if state.unit.state is not UnitState.SHARDED:
                 state.unit.reshard()
             state.reset_step()

@@ -274,7 +274,10 @@ def make_layer(spec: LayerSpec, d: int) -> nn.Module:
     if spec.kind == "conv":
         return Conv(d, spec.rows)
     if spec.kind == "norm":
-        return nn.LayerNorm(d)
+        # eps 0.1, not 1e-5: normalising 3 to 5 nearly equal features divides by a tiny deviation and amplifies the
+        # inputs' bf16 rounding (randomized seed 116 at 4 ranks: a gradient 3.8 off on 4.2, as far off as a
+        # single-process model with the same bf16 blocks); with a bounded deviation a correct run lands at 3e-3.
+        return nn.LayerNorm(d, eps=0.1)
     if spec.kind == "scalar":
         return Scalar()
     return TiedPair(d)

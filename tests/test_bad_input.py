@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig
@@ -133,6 +134,25 @@ SHARD_CASES: dict[str, ShardCase] = {
         TypeError,
         r"shard_placement_fn of fully_shard on GPT must be a function",
         lambda: _shard(m, ws, shard_placement_fn=0),
+    ),
+    "shard_placement_fn_dim_out_of_range": lambda m, rank, ws: (
+        ValueError,
+        r"shard_placement_fn returned Shard\(dim=-3\) for 'pos_emb' of GPT, a parameter of shape \(13, 18\); return "
+        r"Shard\(dim\) with -2 <= dim < 2",
+        lambda: _shard(m, ws, shard_placement_fn=lambda p: Shard(-3)),
+    ),
+    "shard_placement_fn_not_a_shard": lambda m, rank, ws: (
+        TypeError,
+        r"shard_placement_fn returned Replicate\(\) for 'blocks.0.attn.qkv.weight' of GPT; it must return Shard\(dim\)",
+        lambda: _shard(m, ws, shard_placement_fn=lambda p: Replicate() if p.shape == (54, 18) else None),
+    ),
+    "shard_placement_fn_mesh_per_parameter": lambda m, rank, ws: (
+        NotImplementedError,
+        r"shard_placement_fn returned a ShardPlacementResult for 'head.weight' of GPT; a mesh per parameter is not "
+        r"supported",
+        lambda: _shard(
+            m, ws, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), None) if p is m.head.weight else None
+        ),
     ),
     "auto_refresh_trainable_not_bool": lambda m, rank, ws: (
         TypeError,

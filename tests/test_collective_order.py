@@ -3,7 +3,8 @@
 A rank's sequence is recorded by wrapping the three collective call sites of the engine; the test then compares the
 sequences per process group across ranks, and trains against a single-process reference. The patterns: a unit
 whose output reaches the loss on every rank, on some ranks only, or on none; kept or resharded after forward;
-backward prefetch on or off; used twice in one forward.
+backward prefetch on or off; used twice in one forward; a backward that raises on every rank or on one rank only
+(the user skips the step: the rank that raised calls ``fc.reset_step`` first, which completes its side of the step).
 """
 
 from __future__ import annotations
@@ -67,17 +68,23 @@ class _Net(nn.Module):
         self.b1 = _Block(dim)
         self.head = nn.Linear(dim, 2)
 
-    def forward(self, x: torch.Tensor, twice: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, twice: bool, aux_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        # aux_first: the branch runs before every other unit, so it is the last unit in backward order and no
+        # later unit's pre-backward passes the gather cursor over it
+        aux = self.aux(x) if aux_first else None
         h = self.b0(self.inp(x))
-        aux = self.aux(h)
+        if aux is None:
+            aux = self.aux(h)
         h = self.b1(h)
         if twice:
             h = self.b1(h)
         return self.head(h), aux
 
 
-def _losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, twice: bool, use_aux: bool) -> torch.Tensor:
-    out, aux = model(x, twice)
+def _losses(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, twice: bool, use_aux: bool, aux_first: bool = False
+) -> torch.Tensor:
+    out, aux = model(x, twice, aux_first)
     loss = (out - y).pow(2).mean()
     return loss + aux.pow(2).mean() if use_aux else loss
 
@@ -86,7 +93,17 @@ def _uses_aux(rank: int, pattern: str) -> bool:
     return pattern == "all" or (pattern == "even" and rank % 2 == 0)
 
 
-def _order(rank: int, ws: int, pattern: str, aux_keeps: bool, prefetch: bool, twice: bool) -> dict[str, Any]:
+def _order(
+    rank: int,
+    ws: int,
+    pattern: str,
+    aux_keeps: bool,
+    prefetch: bool,
+    twice: bool,
+    aux_first: bool = False,
+    fail: str = "",
+) -> dict[str, Any]:
+    """``fail``: "" | "all" | "rank0": step 1's backward raises in b0 on those ranks, and every rank skips step 1."""
     torch.manual_seed(0)
     reference = _Net()
     model = _Net()
@@ -106,21 +123,61 @@ def _order(rank: int, ws: int, pattern: str, aux_keeps: bool, prefetch: bool, tw
         for step in range(3):
             g = torch.Generator().manual_seed(step)
             inputs, targets = torch.randn(2 * ws, 6, generator=g), torch.randn(2 * ws, 2, generator=g)
-            ref_opt.zero_grad()
-            # the average over ranks of each rank's loss on its slice: what data parallelism computes
-            total = sum(
-                _losses(
-                    reference, local_batch(inputs, r, ws), local_batch(targets, r, ws), twice, _uses_aux(r, pattern)
-                )
-                for r in range(ws)
-            )
-            (total / ws).backward()
-            ref_opt.step()
+            skipped = bool(fail) and step == 1
+            if not skipped:
+                _reference_step(reference, ref_opt, inputs, targets, ws, twice, pattern, aux_first)
             opt.zero_grad()
             x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
-            _losses(model, x, y, twice, _uses_aux(rank, pattern)).backward()
-            opt.step()
+            raises = skipped and (fail == "all" or rank == 0)
+            hook = model.b0.register_forward_hook(_raise_in_backward) if raises else None
+            try:
+                _losses(model, x, y, twice, _uses_aux(rank, pattern), aux_first).backward()
+            except _Boom:
+                fc.reset_step(model)  # before any other collective: this rank completes its side of the step
+            finally:
+                if hook is not None:
+                    hook.remove()
+            if not skipped:
+                opt.step()
     return {"record": record, "diff": max_param_diff(model, reference)}
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _raise_in_backward(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    def boom(grad: torch.Tensor) -> None:
+        raise _Boom("backward failed")
+
+    output.register_hook(boom)
+
+
+def _reference_step(
+    reference: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    ws: int,
+    twice: bool,
+    pattern: str,
+    aux_first: bool,
+) -> None:
+    ref_opt.zero_grad()
+    # the average over ranks of each rank's loss on its slice: what data parallelism computes
+    total = sum(
+        _losses(
+            reference,
+            local_batch(inputs, r, ws),
+            local_batch(targets, r, ws),
+            twice,
+            _uses_aux(r, pattern),
+            aux_first,
+        )
+        for r in range(ws)
+    )
+    (total / ws).backward()
+    ref_opt.step()
 
 
 PATTERNS = [
@@ -146,6 +203,28 @@ def test_same_collectives_in_the_same_order_on_every_rank(
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_order_holds_at_four_ranks_with_a_unit_used_twice(run_dist, prefetch: bool) -> None:
     results = run_dist(4, _order, "even", True, prefetch, True)
+    for result in results:
+        assert result["record"] == results[0]["record"]
+        assert result["diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_order_holds_for_a_unit_last_in_backward_used_on_some_ranks(run_dist, prefetch: bool) -> None:
+    """The branch runs first in forward, so it is last in backward: no later pre-backward passes the gather cursor
+    over it on the ranks whose loss misses it; the final callback must issue its all-gather there."""
+    results = run_dist(2, _order, "even", False, prefetch, False, True)
+    for result in results:
+        assert result["record"] == results[0]["record"]
+        assert result["diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("fail", ["all", "rank0"])
+@pytest.mark.parametrize("ws", [2, 4])
+def test_order_holds_through_a_backward_that_raises(run_dist, ws: int, fail: str) -> None:
+    """Step 1's backward raises in b0 after the ranks whose loss used the kept branch issued its reduce-scatter
+    (the others issue it only in the final callback, which never comes): every rank still issues the same
+    collectives, and the step leaves nothing behind (randomized seed 109 hung here at 4 ranks)."""
+    results = run_dist(ws, _order, "even", True, False, False, False, fail)
     for result in results:
         assert result["record"] == results[0]["record"]
         assert result["diff"] <= 1e-5

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -327,6 +328,26 @@ def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str
     )
 
 
+class _GroupCache(dict[Any, Any]):
+    """Process groups cached in a mesh's ``__dict__``. ``copy.deepcopy`` of the mesh shares the cache (the groups
+    are the process's, like the ones the mesh itself holds), and pickling drops it (rebuilt on first use). A plain
+    dict of process groups would make the mesh uncopyable, and torch.compile deep-copies the mesh of every DTensor
+    it guards on (a tensor-parallel parameter in a compiled block)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _GroupCache:
+        return self
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (_GroupCache, ())
+
+
+def _mesh_cache(mesh: DeviceMesh, attr: str) -> _GroupCache:
+    cache = mesh.__dict__.get(attr)
+    if not isinstance(cache, _GroupCache):
+        cache = mesh.__dict__[attr] = _GroupCache()
+    return cache
+
+
 # Attribute on a data-parallel DeviceMesh caching its post-forward groups by size: every unit resharding to groups of
 # the same size on that mesh shares them (process groups are costly to create). It lives on the mesh instance.
 _POST_FORWARD_GROUPS_ATTR = "_fsdp_compose_post_forward_groups"
@@ -358,7 +379,7 @@ def check_post_forward_size(value: int, shard_size: int, owner: str) -> None:
 
 def post_forward_group(mesh: DeviceMesh, size: int) -> PostForwardGroup:
     """The post-forward group of ``size`` consecutive ranks of ``mesh``'s shard dim (collective: call on every rank)."""
-    cache: dict[int, PostForwardGroup] = mesh.__dict__.setdefault(_POST_FORWARD_GROUPS_ATTR, {})
+    cache: dict[int, PostForwardGroup] = _mesh_cache(mesh, _POST_FORWARD_GROUPS_ATTR)
     if size in cache:
         return cache[size]
     shard_dim = mesh.ndim - 1
@@ -431,7 +452,7 @@ def reduce_scatter_group(dp: DataParallelMesh) -> dist.ProcessGroup:
     if names is None or names[-1] not in root_names or root.size() != world:
         logger.debug("reduce-scatters of mesh %s share the all-gather group", mesh)
         return dp.shard_group
-    cache: dict[str, dist.ProcessGroup] = root.__dict__.setdefault(_REDUCE_SCATTER_GROUPS_ATTR, {})
+    cache: dict[str, dist.ProcessGroup] = _mesh_cache(root, _REDUCE_SCATTER_GROUPS_ATTR)
     name = names[-1]
     if name not in cache:
         with unset_fake_temporarily():  # the mesh's rank tensor is real, also while planning under fake tensors

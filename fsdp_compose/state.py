@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import labelled
 from .policies import MixedPrecisionPolicy
-from .step import StepContext, in_backward
+from .step import StepContext, check_not_compiled_autograd, in_backward
 from .transitions import checked
 from .unit import ShardedUnit, UnitState
 
@@ -238,8 +238,13 @@ class ShardState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         backward_running = in_backward()
-        if backward_running and self.phase is UnitPhase.BACKWARD:
-            # Activation-checkpoint recompute: gathered for backward already; cast exactly as the first forward did.
+        if backward_running and self.phase in (UnitPhase.BACKWARD, UnitPhase.AWAITING_BACKWARD):
+            # Activation-checkpoint recompute: cast exactly as the first forward did. A unit recomputed before its
+            # own pre-backward hook fired (a checkpoint around an enclosing module) starts its backward here, at the
+            # cursor's turn: a recompute that re-gathered as a forward would reshard after it, and gather again
+            # at the pre-backward, an all-gather after this rank's last scheduled one.
+            if self.phase is UnitPhase.AWAITING_BACKWARD:
+                self._begin_unit_backward()
             self.gather_now()
             return self._cast_inputs(module, args, kwargs, self.compute_dtype(module))
         if self.root is None:
@@ -358,15 +363,19 @@ class ShardState:
     def _pre_backward(self, grad: torch.Tensor) -> None:
         with labelled("fsdp_compose::pre_backward"):
             if self.phase is UnitPhase.BACKWARD:
-                return  # another output of this unit: already gathered
-            root = self.root
-            if root is not None and root.ctx is not None:
-                root.ctx.begin_backward()
-                root.ctx.gather_for_backward(self)
-            else:
-                self.gather_now()
-            self._to(UnitPhase.BACKWARD)
-            self.post_backward_pending = True
+                return  # another output of this unit (or its recompute started its backward): already gathered
+            self._begin_unit_backward()
+
+    def _begin_unit_backward(self) -> None:
+        check_not_compiled_autograd(self.unit.owner_name)
+        root = self.root
+        if root is not None and root.ctx is not None:
+            root.ctx.begin_backward()
+            root.ctx.gather_for_backward(self)
+        else:
+            self.gather_now()
+        self._to(UnitPhase.BACKWARD)
+        self.post_backward_pending = True
 
     @_outside_compile
     def post_backward(self) -> None:

@@ -27,6 +27,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch._dynamo.compiled_autograd
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
@@ -41,12 +42,28 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepContext", "StepPhase", "in_backward"]
+__all__ = ["StepContext", "StepPhase", "check_not_compiled_autograd", "in_backward"]
 
 
 def in_backward() -> bool:
     """True while autograd runs a backward on this thread (e.g. an activation-checkpoint recompute)."""
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def check_not_compiled_autograd(owner: str) -> None:
+    """Raise when this backward runs under compiled autograd, before the unit issues any collective of it.
+
+    Compiled autograd captures the backward graph, hooks included, and replays it: the units' backward hooks keep
+    per-step state and issue collectives, and trained with wrong gradients when replayed that way (measured, for
+    torch's own ``fully_shard`` too). Compiling the blocks' forward still compiles their backward (AOTAutograd).
+    """
+    compiled_autograd = torch._dynamo.compiled_autograd
+    if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
+        raise RuntimeError(
+            f"{owner}: backward runs under compiled autograd (torch._dynamo.config.compiled_autograd), which "
+            "fsdp_compose does not support: its backward hooks must run in eager autograd. Turn compiled autograd "
+            "off; torch.compile of the blocks still compiles their backward (see docs/compile.md)"
+        )
 
 
 class StepPhase(enum.Enum):

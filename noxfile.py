@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint, typecheck, docs, plan, bench. Each installs what it needs into its own venv."""
+"""nox sessions: tests, lint, typecheck, docs, plan, bench, integration. Each installs what it needs in its venv."""
 
 from __future__ import annotations
 
@@ -18,6 +18,19 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.run("pytest", *session.posargs)
+
+
+# The trainers docs/integrations.md covers, at the versions its figures were measured with.
+INTEGRATION_PACKAGES = ["torchtitan==0.3.0", "lightning==2.6.6", "transformers==5.23.0", "accelerate>=1,<2", "peft"]
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Existing trainers on fsdp_compose against torch's ``fully_shard`` (tests/integration, docs/integrations.md).
+    Not in the default sessions: extra packages and minutes of CPU."""
+    session.install(TORCH)
+    session.install("-e", ".[test]", *INTEGRATION_PACKAGES)
+    session.run("pytest", "tests/integration", *session.posargs, env={"FSDP_COMPOSE_INTEGRATION": "1"})
 
 
 @nox.session

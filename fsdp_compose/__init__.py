@@ -30,14 +30,17 @@ from .api import (
 from .clip import clip_grad_norm_
 from .description import ParamDescription, UnitDescription, describe, describe_units, print_description
 from .extensions import CastAllGather, Int8AllGather, ShardExtensions
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .fsdp2 import FSDP2_METHOD_NAMES, bind_fsdp2_methods, has_fsdp2_methods, share_comm_ctx
+from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .state_dict import full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FSDP2_METHOD_NAMES",
     "CPUOffloadPolicy",
     "CastAllGather",
+    "DataParallelMeshDims",
     "Int8AllGather",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
@@ -45,12 +48,14 @@ __all__ = [
     "ShardExtensions",
     "UnitDescription",
     "UnshardHandle",
+    "bind_fsdp2_methods",
     "clip_grad_norm_",
     "describe",
     "describe_units",
     "full_state_dict",
     "fully_shard",
     "get_state",
+    "has_fsdp2_methods",
     "is_fully_sharded",
     "load_full_state_dict",
     "no_sync",
@@ -70,5 +75,6 @@ __all__ = [
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
+    "share_comm_ctx",
     "unshard",
 ]

@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 from .init import fully_shard, get_state, post_forward_group_for, reshard_after_forward_setting
-from .state import GradientAccumulation, ShardState, states_under
+from .state import GradientAccumulation, ShardState, UnitPhase, states_under
+from .unit import UnitState
 
 __all__ = [
     "UnshardHandle",
@@ -341,7 +342,11 @@ def refresh_trainable(module: nn.Module) -> None:
 
 
 class _UnshardingMethod:
-    """Instance attribute standing in for a method: unshard around it like around forward."""
+    """Instance attribute standing in for a method: the module's own unit is gathered around it.
+
+    Not a forward of its own: a method such as ``generate`` calls the module's forward many times, and each of those
+    runs as any forward does (the first consumes this gather). What the gather adds is the parameters the method
+    uses outside forward (an encoder run directly, an embedding read by the method)."""
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
@@ -350,20 +355,23 @@ class _UnshardingMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = _require_state(self.module, self.name)
         method = getattr(type(self.module), self.name)
-        hooked = state.pre_forward(self.module, args, kwargs)
-        if hooked is not None:
-            args, kwargs = hooked
+        if state.phase is not UnitPhase.IDLE:  # called inside a forward or backward: gathered already
+            return method(self.module, *args, **kwargs)
+        if state.root is None:
+            state.lazy_init()  # this module is the root, as at a first forward (not a submodule the method calls)
+        unshard(self.module)
         try:
-            output = method(self.module, *args, **kwargs)
-        except BaseException:
-            state.post_forward(self.module, args, None)  # as for forward: the unit reshards, the step goes on
-            raise
-        result = state.post_forward(self.module, args, output)
-        return output if result is None else result
+            return method(self.module, *args, **kwargs)
+        finally:
+            if state.phase is UnitPhase.IDLE and state.unit.state is not UnitState.SHARDED:
+                state.unit.reshard()
 
 
 def register_forward_method(module: nn.Module, name: str) -> None:
-    """Unshard around ``module.<name>(...)`` as around forward (e.g. ``generate``); bound to this instance only."""
+    """Gather ``module``'s own unit around ``module.<name>(...)`` (e.g. ``generate``); bound to this instance only.
+
+    The forwards the method runs are ordinary forwards; the gather serves the parameters it uses outside them. Unlike
+    a forward, the method's inputs are not cast by ``mp_policy`` (its forwards cast theirs)."""
     _require_state(module, "register_forward_method")
     if not isinstance(name, str):
         raise TypeError(f"fc.register_forward_method: name must be a method name (str), got {type(name).__name__}")

@@ -206,9 +206,8 @@ class FlatShard:
                 local = self.layout.shard_view(self.flat, slot, self.rank)
                 with torch.no_grad():
                     local.copy_(local_rows(value, self.rank, self.world_size, placing.shard_dim) if are_full else value)
-            placements = (
-                *self.dp.placements(whole=slot is None, split_factor=placing.split_factor, dim=placing.shard_dim),
-                *placing.tp_placements,
+            placements = placing.sharded_placements(
+                self.dp.placements(whole=slot is None, split_factor=placing.split_factor, dim=placing.shard_dim)
             )
             news.append(
                 _make_sharded_param(
@@ -381,7 +380,13 @@ def local_grad(mp: ManagedParam) -> torch.Tensor | None:
         return None
     grad = mp.full.grad
     if isinstance(grad, DTensor):
-        if tuple(grad.placements) != mp.placing.tp_placements:
-            grad = grad.redistribute(grad.device_mesh, mp.placing.tp_placements)
+        # On data-parallel dims (dp_mesh_dims) the local gradient is this rank's contribution whatever its placement
+        # (Partial, typically): the reduce-scatter sums it, so only the TP dims are redistributed.
+        dp_dims = mp.placing.dp_dims
+        target = tuple(
+            grad.placements[i] if i in dp_dims else placement for i, placement in enumerate(mp.placing.tp_placements)
+        )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(grad.device_mesh, target)
         return grad.to_local()
     return grad

@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -19,9 +20,24 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .extensions import ShardExtensions
 from .flat import MOVED_ATTR, OWNER_ATTR
-from .meshes import PostForwardGroup, check_dp_mesh, check_post_forward_size, param_placing, post_forward_group
+from .meshes import (
+    PostForwardGroup,
+    check_dp_mesh,
+    check_post_forward_size,
+    dp_mesh_from_dims,
+    param_placing,
+    post_forward_group,
+    spmd_param_placing,
+)
 from .offload import check_offload_policy
-from .policies import MixedPrecisionPolicy, OffloadPolicy
+from .policies import (
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    as_dp_mesh_dims,
+    as_mp_policy,
+    as_offload_policy,
+)
 from .state import STATE_ATTR, ShardState, states_under
 from .unit import ShardedUnit
 
@@ -49,12 +65,14 @@ def fully_shard(
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy = OffloadPolicy(),
+    mp_policy: MixedPrecisionPolicy | torch_fsdp.MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy | torch_fsdp.OffloadPolicy = OffloadPolicy(),
     ignored_params: nn.Parameter | Iterable[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | torch_fsdp.DataParallelMeshDims | None = None,
     extensions: ShardExtensions | None = None,
     frozen_params: Literal["shard", "replicate"] = "shard",
     auto_refresh_trainable: bool = True,
+    fsdp2_methods: bool = False,
 ) -> ModuleOrList:
     """Shard ``module``'s parameters over the data-parallel ranks of ``mesh`` and attach the hooks that gather them.
 
@@ -65,14 +83,38 @@ def fully_shard(
     block), then on the root: each call's unit holds the parameters not already held by a sharded submodule.
     A list of modules shares one unit (gathered once before the first of them runs).
 
+    Every argument of torch's ``fully_shard`` is accepted, torch's policy objects included (converted here).
+    ``dp_mesh_dims``: ``mesh`` is then the full SPMD mesh and names which of its dims are data-parallel (see
+    ``DataParallelMeshDims``). ``fsdp2_methods=True`` also binds FSDP2's method names on the module instance
+    (``module.set_requires_gradient_sync(False)``, ``module.unshard()``...; see ``fc.bind_fsdp2_methods``).
+
     Returns the same object(s) it was given.
     """
     modules = _as_module_list(module)
     owner_name = _describe(modules)
-    mesh = _resolve_mesh(mesh, owner_name)
+    mp_policy = as_mp_policy(mp_policy, f"fully_shard on {owner_name}")
+    offload_policy = as_offload_policy(offload_policy, f"fully_shard on {owner_name}")
+    dims = as_dp_mesh_dims(dp_mesh_dims, f"fully_shard on {owner_name}")
+    if not isinstance(fsdp2_methods, bool):
+        raise TypeError(f"fsdp2_methods of fully_shard on {owner_name} must be True or False, got {fsdp2_methods!r}")
+    spmd_mesh = None
+    if dims is not None:
+        if mesh is None:
+            raise ValueError(
+                f"fully_shard on {owner_name}: dp_mesh_dims names dims of the mesh, so pass mesh= (the full SPMD "
+                "mesh its parameters are distributed on)"
+            )
+        spmd_mesh = _check_mesh_type(mesh)
+        mesh = dp_mesh_from_dims(spmd_mesh, dims, owner_name)
+        check_dp_mesh(mesh, owner_name, roles_named=True)
+    else:
+        mesh = _resolve_mesh(mesh, owner_name)
     reshard_after_forward = reshard_after_forward_setting(reshard_after_forward, mesh, owner_name)
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be an fc.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if dims is not None and isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard on {owner_name}: reshard_after_forward={reshard_after_forward} (a group size) with "
+            "dp_mesh_dims is not supported (nor by torch's fully_shard); use True or False"
+        )
     if extensions is not None and not isinstance(extensions, ShardExtensions):
         raise TypeError(f"extensions must be an fc.ShardExtensions, got {type(extensions).__name__}")
     if frozen_params not in ("shard", "replicate"):
@@ -93,9 +135,16 @@ def fully_shard(
     params, lifts = _collect_params(modules, ignored, owner_name)
     device = _mesh_device(mesh)
     shard_dims = _check_params(params, shard_placement_fn, owner_name)
-    placings = [
-        param_placing(fqn, p, mesh, owner_name, dim) for (fqn, p, _), dim in zip(params, shard_dims, strict=True)
-    ]
+    if dims is not None:
+        assert spmd_mesh is not None
+        placings = [
+            spmd_param_placing(fqn, p, spmd_mesh, dims, owner_name, dim)
+            for (fqn, p, _), dim in zip(params, shard_dims, strict=True)
+        ]
+    else:
+        placings = [
+            param_placing(fqn, p, mesh, owner_name, dim) for (fqn, p, _), dim in zip(params, shard_dims, strict=True)
+        ]
 
     # Everything is validated: from here on the model changes.
     for m in modules:
@@ -128,6 +177,11 @@ def fully_shard(
     for m in modules:
         m.__dict__[STATE_ATTR] = state
     state.register_hooks()
+    if fsdp2_methods:
+        from .fsdp2 import bind_fsdp2_methods  # fsdp2.py builds on api.py, which imports this module
+
+        for m in modules:
+            bind_fsdp2_methods(m, recurse=False)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "fully_shard on %s: %d parameters (%d kept whole), mesh %s %s, %s, reshard_after_forward=%s%s",
@@ -207,12 +261,16 @@ def _resolve_mesh(mesh: DeviceMesh | None, owner_name: str) -> DeviceMesh:
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         device_type = accelerator.type if accelerator is not None and backend != "gloo" else "cpu"
         return init_device_mesh(device_type, (dist.get_world_size(),))
+    check_dp_mesh(_check_mesh_type(mesh), owner_name)
+    return mesh
+
+
+def _check_mesh_type(mesh: object) -> DeviceMesh:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; build one with "
             'init_device_mesh("cuda", (world_size,))'
         )
-    check_dp_mesh(mesh, owner_name)
     return mesh
 
 

@@ -29,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .policies import DataParallelMeshDims
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -38,14 +40,19 @@ __all__ = [
     "PostForwardGroup",
     "check_dp_mesh",
     "check_post_forward_size",
+    "dp_mesh_from_dims",
     "param_placing",
     "post_forward_group",
     "reduce_scatter_group",
+    "spmd_param_placing",
 ]
 
 
-def check_dp_mesh(mesh: DeviceMesh, owner: str) -> None:
-    """Raise a clear error for a mesh ``fully_shard`` cannot use (before anything is touched, no collective)."""
+def check_dp_mesh(mesh: DeviceMesh, owner: str, *, roles_named: bool = False) -> None:
+    """Raise a clear error for a mesh ``fully_shard`` cannot use (before anything is touched, no collective).
+
+    ``roles_named``: the mesh came from ``dp_mesh_dims``, which says which dim replicates and which shards, so the
+    guesses from dim names below do not apply."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"fully_shard on {owner}: torch.distributed is not initialized; call "
@@ -77,7 +84,7 @@ def check_dp_mesh(mesh: DeviceMesh, owner: str) -> None:
             f"{mesh.mesh_dim_names or ''}; for FSDP + TP pass the data-parallel part, e.g. mesh['dp'] or "
             "mesh['replicate', 'shard']"
         )
-    if mesh.ndim == 2:
+    if mesh.ndim == 2 and not roles_named:
         names = mesh.mesh_dim_names
         if names is None:
             raise ValueError(
@@ -95,6 +102,93 @@ def check_dp_mesh(mesh: DeviceMesh, owner: str) -> None:
                 f"mesh dims {names} look swapped: an HSDP mesh is (replicate, shard) — replicas on dim 0, the "
                 "shard group on dim 1; build it with mesh_dim_names=(replicate, shard)"
             )
+
+
+def dp_mesh_from_dims(mesh: DeviceMesh, dims: DataParallelMeshDims, owner: str) -> DeviceMesh:
+    """The data-parallel mesh named by ``dims`` inside the full SPMD ``mesh``: ``(shard,)`` or ``(replicate, shard)``,
+    several names of one role flattened into one dim (as torch's ``fully_shard`` does). Raises before any
+    collective for names the mesh lacks; flattening creates process groups (every rank makes the same call)."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            f"fully_shard on {owner}: dp_mesh_dims names mesh dims, but the mesh has no mesh_dim_names; build it "
+            'with init_device_mesh(..., mesh_dim_names=("dp", "tp"))'
+        )
+    shard, replicate = dims.shard_names, dims.replicate_names
+    for name in shard + replicate:
+        if name not in names:
+            raise ValueError(f"fully_shard on {owner}: dp_mesh_dims names mesh dim {name!r}, not in mesh dims {names}")
+    if len(set(shard + replicate)) != len(shard + replicate):
+        raise ValueError(f"fully_shard on {owner}: dp_mesh_dims names a mesh dim twice: {dims}")
+    if len(shard) > 1:
+        raise NotImplementedError(
+            f"fully_shard on {owner}: dp_mesh_dims with several shard dims {shard} is not supported; flatten them "
+            f'into one named dim first (mesh[{shard}]._flatten("{"_".join(shard)}")) and name that one'
+        )
+    if not shard:
+        raise NotImplementedError(
+            f"fully_shard on {owner}: dp_mesh_dims with replicate= only (pure replication, DDP) is not supported; "
+            "fsdp_compose always shards: name the shard dim(s) too, or use torch's replicate/DDP for this module"
+        )
+
+    def one_dim(role: tuple[str, ...]) -> DeviceMesh:
+        return mesh[role[0]] if len(role) == 1 else mesh[role]._flatten("_".join(role))
+
+    if not replicate:
+        return one_dim(shard)
+    if len(shard) == 1 and len(replicate) == 1:
+        return mesh[replicate[0], shard[0]]
+    return DeviceMesh._concatenate([one_dim(replicate), one_dim(shard)])
+
+
+def spmd_param_placing(
+    fqn: str, param: nn.Parameter, mesh: DeviceMesh, dims: DataParallelMeshDims, owner: str, shard_dim: int = 0
+) -> ParamPlacing:
+    """With ``dp_mesh_dims``: the placing of a DTensor parameter on the full SPMD ``mesh``, which it keeps.
+
+    Forward sees the parameter on ``mesh`` with its own placements (``Replicate()`` on the data-parallel dims); the
+    sharded parameter replaces that ``Replicate()`` by ``Shard(0)`` on the shard dim, as torch's ``fully_shard`` does.
+    Raises (nothing changed) unless ``param`` is a DTensor on ``mesh`` replicated on every data-parallel dim."""
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            f"fully_shard on {owner} with dp_mesh_dims: parameter '{fqn}' is a plain tensor; every parameter must be "
+            "a DTensor on the full mesh (e.g. distribute_tensor(p, mesh, [Replicate()] * mesh.ndim)), or drop "
+            "dp_mesh_dims and pass the data-parallel mesh"
+        )
+    if param.device_mesh != mesh:
+        raise ValueError(
+            f"fully_shard on {owner} with dp_mesh_dims: parameter '{fqn}' lives on mesh {param.device_mesh}, not on "
+            f"the mesh passed to fully_shard ({mesh}); distribute it on that mesh"
+        )
+    names = mesh.mesh_dim_names
+    assert names is not None  # checked by dp_mesh_from_dims
+    data_parallel = set(dims.shard_names + dims.replicate_names)
+    for name, placement in zip(names, param.placements, strict=True):
+        if name in data_parallel and not isinstance(placement, Replicate):
+            raise ValueError(
+                f"fully_shard on {owner} with dp_mesh_dims: parameter '{fqn}' has placement {placement!r} on "
+                f"data-parallel mesh dim {name!r}; it must be Replicate() there (fully_shard shards it)"
+            )
+    for placement in param.placements:
+        if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, _StridedShard):
+            raise ValueError(
+                f"parameter '{fqn}' of {owner} has placement {placement}; fully_shard composes with Shard(dim) and "
+                "Replicate() parameters"
+            )
+    if param.ndim == 0:
+        raise ValueError(f"parameter '{fqn}' of {owner} is a 0-dim DTensor; keep it a plain tensor or a buffer")
+    positions = tuple((names.index(n), "replicate") for n in dims.replicate_names)
+    positions += ((names.index(dims.shard_names[0]), "shard"),)
+    return ParamPlacing(
+        param.shape,
+        tuple(param.stride()),
+        param.to_local().shape,
+        mesh,
+        mesh,
+        tuple(param.placements),
+        shard_dim=shard_dim,
+        dp_positions=positions,
+    )
 
 
 @dataclass(frozen=True)
@@ -147,17 +241,38 @@ class ParamPlacing:
     tp_mesh: DeviceMesh | None
     tp_placements: tuple[Placement, ...]
     shard_dim: int = 0  # the dim FSDP shards (``shard_placement_fn``), normalized: 0 <= shard_dim < ndim
+    # With dp_mesh_dims: (position in spmd_mesh, "replicate" | "shard") of each data-parallel dim. The parameter then
+    # lives on the full mesh (tp_mesh == spmd_mesh, tp_placements with Replicate() there) and the data-parallel
+    # placements go at these positions instead of in front.
+    dp_positions: tuple[tuple[int, str], ...] = ()
 
     @property
     def split_factor(self) -> int:
-        """How many TP pieces the shard dim was already cut into (1 when TP does not shard that dim)."""
+        """How many TP pieces the shard dim was already cut into before FSDP's (1 when TP does not shard that dim):
+        TP dims after the data-parallel shard dim in mesh order (all of them when data-parallel dims come first)."""
         factor = 1
         assert self.tp_mesh is None or self.tp_mesh.ndim == len(self.tp_placements)
+        after = max((position for position, role in self.dp_positions if role == "shard"), default=-1)
         for dim, placement in enumerate(self.tp_placements):
-            if isinstance(placement, Shard) and placement.dim == self.shard_dim:
+            if dim > after and isinstance(placement, Shard) and placement.dim == self.shard_dim:
                 assert self.tp_mesh is not None
                 factor *= self.tp_mesh.size(dim)
         return factor
+
+    @property
+    def dp_dims(self) -> frozenset[int]:
+        """Positions in ``tp_placements`` that are data-parallel (with dp_mesh_dims; else none)."""
+        return frozenset(position for position, _ in self.dp_positions)
+
+    def sharded_placements(self, dp_placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        """The sharded parameter's placements on ``spmd_mesh`` from the data-parallel ones ((replicate,) shard)."""
+        if not self.dp_positions:
+            return (*dp_placements, *self.tp_placements)
+        merged = list(self.tp_placements)
+        shard = dp_placements[-1]
+        for position, role in self.dp_positions:
+            merged[position] = shard if role == "shard" else Replicate()
+        return tuple(merged)
 
 
 def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

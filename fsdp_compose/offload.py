@@ -31,15 +31,10 @@ def collective_device(tensor: torch.Tensor) -> torch.device:
 
 def check_offload_policy(offload_policy: object, mesh: DeviceMesh, owner_name: str) -> None:
     """Raise a clear error for an offload policy this unit cannot use (before anything is touched)."""
-    if not isinstance(offload_policy, OffloadPolicy):
-        hint = (
-            " (torch.distributed.fsdp's own policy classes are not accepted: use fc.CPUOffloadPolicy)"
-            if "OffloadPolicy" in type(offload_policy).__name__
-            else ""
-        )
+    if not isinstance(offload_policy, OffloadPolicy):  # torch's policies were converted by policies.as_offload_policy
         raise TypeError(
-            f"offload_policy of fully_shard on {owner_name} must be an fc.OffloadPolicy or fc.CPUOffloadPolicy, "
-            f"got {type(offload_policy).__module__}.{type(offload_policy).__name__}{hint}"
+            f"offload_policy of fully_shard on {owner_name} must be an fsdp_compose.OffloadPolicy or "
+            f"CPUOffloadPolicy, got {type(offload_policy).__module__}.{type(offload_policy).__name__}"
         )
     if not isinstance(offload_policy, CPUOffloadPolicy):
         return

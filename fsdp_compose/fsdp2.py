@@ -1,0 +1,274 @@
+"""FSDP2's method names on a sharded module, bound per instance, for code written against torch's ``FSDPModule``.
+
+Torch's ``fully_shard`` swaps the module's class to add methods (``model.set_requires_gradient_sync(False)``,
+``model.unshard()``...). fsdp_compose never swaps the class; its equivalents are functions taking the module. Trainers
+written for FSDP2 call the methods, so ``bind_fsdp2_methods(model)`` (or ``fully_shard(..., fsdp2_methods=True)``)
+puts one callable per FSDP2 method name in each sharded module's instance ``__dict__``: opt-in, per instance,
+nothing bound on a class or globally, and a ``copy.deepcopy`` of the module gets callables bound to the copy.
+
+Each bound method has FSDP2's signature and semantics (docs/integrations.md has the table). Where fsdp_compose has
+no machinery for a setting, the reason is one of:
+
+- the setting is already what fsdp_compose always does (``set_force_sum_reduction_for_comms(True)``,
+  ``set_separate_reduce_scatter_group(True)``, ``set_reduce_scatter_unused_params(True)``,
+  ``set_is_last_backward(True)``): any value is accepted and the results are those of FSDP2 with that setting;
+- it tunes streams or buffers fsdp_compose does not have (``set_post_optim_event``, ``share_comm_ctx``,
+  ``set_reduce_scatter_max_input_buffers``, ``set_allocate_memory_from_process_group_for_comm``,
+  ``set_symm_mem_for_comm``): values are validated and nothing changes in what is computed;
+- ``set_unshard_in_backward(False)`` would save an all-gather: fsdp_compose gathers anyway (a warning says so; the
+  gradients are the same);
+- its contract does not map onto fsdp_compose's (``set_custom_all_gather``, ``set_custom_reduce_scatter``,
+  ``set_all_reduce_hook``): it raises ``NotImplementedError`` naming the ``fc.ShardExtensions`` alternative, rather
+  than silently not calling the user's code.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from . import api
+from .init import get_state
+from .state import states_under
+
+__all__ = ["FSDP2_METHOD_NAMES", "bind_fsdp2_methods", "has_fsdp2_methods", "share_comm_ctx"]
+
+
+def _check_bool(value: object, name: str, method: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method}: {name} must be True or False, got {value!r}")
+
+
+# ---------------------------------------------------------------------- FSDP2's methods, as functions of the module
+def _reshard(module: nn.Module) -> None:
+    api.reshard(module)
+
+
+def _unshard(module: nn.Module, async_op: bool = False) -> api.UnshardHandle | None:
+    return api.unshard(module, async_op=async_op)
+
+
+def _reset_iter_state(module: nn.Module) -> None:
+    api.reset_step(module)
+
+
+def _set_is_last_backward(module: nn.Module, is_last_backward: bool) -> None:
+    # fsdp_compose's end-of-backward callback always waits for every reduction and clears its prefetch state: it
+    # behaves as FSDP2 with True; False only lets FSDP2 skip that wait, which cannot change gradients.
+    _check_bool(is_last_backward, "is_last_backward", "set_is_last_backward")
+    api._require_state(module, "set_is_last_backward")
+
+
+def _set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    # FSDP2's flag also switches the HSDP all-reduce; fc keeps the two independent, so the bound method sets both.
+    api.set_requires_gradient_sync(module, requires_gradient_sync, recurse=recurse)
+    api.set_requires_all_reduce(module, requires_gradient_sync, recurse=recurse)
+
+
+def _set_requires_all_reduce(module: nn.Module, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+    api.set_requires_all_reduce(module, requires_all_reduce, recurse=recurse)
+
+
+def _set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool, recurse: bool = True) -> None:
+    api.set_reshard_after_forward(module, reshard_after_forward, recurse=recurse)
+
+
+def _set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    api.set_reshard_after_backward(module, reshard_after_backward, recurse=recurse)
+
+
+def _set_modules_to_forward_prefetch(module: nn.Module, modules: Iterable[nn.Module]) -> None:
+    api.set_modules_to_forward_prefetch(module, modules)
+
+
+def _set_modules_to_backward_prefetch(module: nn.Module, modules: Iterable[nn.Module]) -> None:
+    api.set_modules_to_backward_prefetch(module, modules)
+
+
+def _not_mapped(method: str, alternative: str) -> Callable[..., None]:
+    def refuse(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            f"{method} (torch FSDP2) has no fsdp_compose equivalent with the same contract, and ignoring it would "
+            f"silently skip your code; {alternative}"
+        )
+
+    return refuse
+
+
+_EXTENSIONS_HINT = "pass fc.ShardExtensions({field}=...) to fc.fully_shard instead (see fsdp_compose/extensions.py)"
+
+
+def _set_post_optim_event(module: nn.Module, event: torch.Event) -> None:
+    # FSDP2 makes its all-gather streams wait on the event; fsdp_compose all-gathers on the current stream, so
+    # making that stream wait gives the same ordering for every later all-gather.
+    api._require_state(module, "set_post_optim_event")
+    event.wait()
+
+
+def _set_gradient_divide_factor(module: nn.Module, factor: float) -> None:
+    # FSDP2's method sets this module's own unit only (not recursive), unlike fc.set_gradient_divide_factor's default.
+    api.set_gradient_divide_factor(module, factor, recurse=False)
+
+
+def _set_reduce_scatter_divide_factor(module: nn.Module, factor: float) -> None:
+    warnings.warn(
+        "set_reduce_scatter_divide_factor is deprecated in torch FSDP2; use set_gradient_divide_factor",
+        FutureWarning,
+        stacklevel=3,
+    )
+    _set_gradient_divide_factor(module, factor)
+
+
+def _set_force_sum_reduction_for_comms(module: nn.Module, enable: bool) -> None:
+    # fsdp_compose always reduces with SUM and divides locally afterwards: True is its only behaviour, and False
+    # (FSDP2 may then use AVG or PREMUL_SUM) gives the same averages up to rounding.
+    _check_bool(enable, "enable", "set_force_sum_reduction_for_comms")
+    api._require_state(module, "set_force_sum_reduction_for_comms")
+
+
+def _set_reduce_scatter_unused_params(
+    module: nn.Module, reduce_scatter_unused_params: bool, *, recurse: bool = True
+) -> None:
+    # Every trainable unit that ran reduce-scatters, with zeros for parameters without a gradient, so ranks never
+    # issue different collectives: True is fsdp_compose's only behaviour.
+    _check_bool(reduce_scatter_unused_params, "reduce_scatter_unused_params", "set_reduce_scatter_unused_params")
+    api._states(module, recurse, "set_reduce_scatter_unused_params")
+
+
+def _set_reduce_scatter_max_input_buffers(module: nn.Module, max_input_buffers: int, *, recurse: bool = True) -> None:
+    if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+        raise ValueError(f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got {max_input_buffers!r}")
+    api._states(module, recurse, "set_reduce_scatter_max_input_buffers")  # one reduction in flight, fixed
+
+
+def _set_separate_reduce_scatter_group(module: nn.Module, enable: bool = True, *, recurse: bool = True) -> None:
+    # fsdp_compose already reduce-scatters on a group of its own (meshes.reduce_scatter_group) wherever it can.
+    _check_bool(enable, "enable", "set_separate_reduce_scatter_group")
+    api._states(module, recurse, "set_separate_reduce_scatter_group")
+
+
+def _set_unshard_in_backward(module: nn.Module, unshard_in_backward: bool) -> None:
+    _check_bool(unshard_in_backward, "unshard_in_backward", "set_unshard_in_backward")
+    api._require_state(module, "set_unshard_in_backward")
+    if not unshard_in_backward:
+        warnings.warn(
+            f"set_unshard_in_backward(False) on {type(module).__name__}: fsdp_compose still all-gathers this unit in "
+            "backward (the gradients are the same; the all-gather FSDP2 would skip is not saved)",
+            stacklevel=3,
+        )
+
+
+def _set_allocate_memory_from_process_group_for_comm(module: nn.Module, enable: bool) -> None:
+    _check_bool(enable, "enable", "set_allocate_memory_from_process_group_for_comm")
+    api._require_state(module, "set_allocate_memory_from_process_group_for_comm")  # buffers come from torch.empty
+
+
+def _set_symm_mem_for_comm(module: nn.Module, backend: str = "NCCL") -> None:
+    if backend != "NCCL":
+        raise ValueError(f'set_symm_mem_for_comm: only backend "NCCL" exists in torch FSDP2, got {backend!r}')
+    api._require_state(module, "set_symm_mem_for_comm")  # staging buffers are ordinary device memory
+
+
+_METHODS: dict[str, Callable[..., Any]] = {
+    "reshard": _reshard,
+    "unshard": _unshard,
+    "reset_iter_state": _reset_iter_state,
+    "set_is_last_backward": _set_is_last_backward,
+    "set_requires_gradient_sync": _set_requires_gradient_sync,
+    "set_requires_all_reduce": _set_requires_all_reduce,
+    "set_reshard_after_forward": _set_reshard_after_forward,
+    "set_reshard_after_backward": _set_reshard_after_backward,
+    "set_modules_to_forward_prefetch": _set_modules_to_forward_prefetch,
+    "set_modules_to_backward_prefetch": _set_modules_to_backward_prefetch,
+    "set_custom_all_gather": _not_mapped(
+        "set_custom_all_gather", _EXTENSIONS_HINT.format(field="all_gather") + " (an encode/decode of the payload)"
+    ),
+    "set_custom_reduce_scatter": _not_mapped(
+        "set_custom_reduce_scatter",
+        _EXTENSIONS_HINT.format(field="reduce_scatter") + " (a hook that must leave the sum over ranks)",
+    ),
+    "set_all_reduce_hook": _not_mapped(
+        "set_all_reduce_hook",
+        _EXTENSIONS_HINT.format(field="all_reduce") + " (it replaces the HSDP all-reduce; FSDP2's hook runs after it)",
+    ),
+    "set_post_optim_event": _set_post_optim_event,
+    "set_reduce_scatter_divide_factor": _set_reduce_scatter_divide_factor,
+    "set_gradient_divide_factor": _set_gradient_divide_factor,
+    "set_force_sum_reduction_for_comms": _set_force_sum_reduction_for_comms,
+    "set_reduce_scatter_unused_params": _set_reduce_scatter_unused_params,
+    "set_reduce_scatter_max_input_buffers": _set_reduce_scatter_max_input_buffers,
+    "set_separate_reduce_scatter_group": _set_separate_reduce_scatter_group,
+    "set_unshard_in_backward": _set_unshard_in_backward,
+    "set_allocate_memory_from_process_group_for_comm": _set_allocate_memory_from_process_group_for_comm,
+    "set_symm_mem_for_comm": _set_symm_mem_for_comm,
+}
+
+# The public methods of torch 2.13's FSDPModule (tests check this list against torch's class).
+FSDP2_METHOD_NAMES: tuple[str, ...] = tuple(sorted(_METHODS))
+
+
+class _BoundMethod:
+    """One FSDP2 method bound to one module instance (stored in that instance's ``__dict__``).
+
+    A plain object holding the module: ``copy.deepcopy`` of the module copies it with the module's own memo, so
+    the copy's method acts on the copy."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module = module
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _METHODS[self.name](self.module, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<fsdp_compose FSDP2 method {self.name} of {type(self.module).__name__}>"
+
+
+def bind_fsdp2_methods(module: nn.Module, *, recurse: bool = True) -> nn.Module:
+    """Give ``module`` (and, with ``recurse``, every sharded module under it) FSDP2's methods as instance attributes.
+
+    After ``fc.bind_fsdp2_methods(model)``, code written for torch's ``FSDPModule`` calls them unchanged:
+    ``model.set_requires_gradient_sync(False)``, ``block.set_gradient_divide_factor(1.0)``, ``model.unshard()``...
+    Nothing is bound on the class or globally; ``isinstance(model, FSDPModule)`` stays False (see
+    ``has_fsdp2_methods`` for guards). Like FSDP2's class swap, the bound names take precedence over methods of the
+    same name on the module's class. Returns ``module``.
+    """
+    api._check_module(module, "bind_fsdp2_methods")
+    _check_bool(recurse, "recurse", "fc.bind_fsdp2_methods")
+    if recurse:
+        states = states_under(module)
+        if not states:
+            raise ValueError(
+                f"fc.bind_fsdp2_methods: no module under this {type(module).__name__} is sharded; call "
+                "fc.fully_shard first"
+            )
+        targets = [m for state in states for m in state.modules]
+    else:
+        targets = list(api._require_state(module, "bind_fsdp2_methods").modules)
+    for target in targets:
+        for name in _METHODS:
+            target.__dict__[name] = _BoundMethod(target, name)
+    return module
+
+
+def has_fsdp2_methods(module: nn.Module) -> bool:
+    """True for a torch ``FSDPModule`` and for a module fsdp_compose sharded with FSDP2's methods bound: the
+    drop-in replacement for ``isinstance(module, FSDPModule)`` in guards before calling those methods."""
+    if isinstance(module, FSDPModule):
+        return True
+    if not isinstance(module, nn.Module):  # False like isinstance, so it drops into any guard
+        return False
+    return get_state(module) is not None and isinstance(module.__dict__.get("set_requires_gradient_sync"), _BoundMethod)
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """torch's ``share_comm_ctx``: FSDP2 shares its communication streams among roots (pipeline stages).
+    fsdp_compose communicates on the current stream, already shared by every module; this checks the modules."""
+    for index, m in enumerate(modules):
+        if not isinstance(m, nn.Module) or get_state(m) is None:
+            raise ValueError(f"fc.share_comm_ctx: entry {index} ({type(m).__name__}) is not a sharded module")

@@ -1,0 +1,89 @@
+"""Run under ``torchrun --nproc_per_node 2``: HF ``Trainer`` (gradient accumulation 2) on a tiny randomly initialized
+Llama built from a config in code, sharded per decoder layer by torch's ``fully_shard`` or ``fc.fully_shard``;
+prints one JSON line (rank 0). ``argv[1]``: ``torch``, ``fc`` (with the guard patch of docs/integrations.md) or
+``fc_unpatched``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils.data import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import trainer as transformers_trainer
+from transformers.distributed import DistributedConfig
+
+import fsdp_compose as fc
+from tests.integration.counting import CollectiveCounter
+from tests.integration.launch import finish_rank
+
+VARIANT = sys.argv[1]
+
+
+class Tokens(Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+torch.manual_seed(0)
+config = LlamaConfig(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+model = LlamaForCausalLM(config)
+shard: Any = torch_fully_shard if VARIANT == "torch" else fc.fully_shard
+extra: dict[str, Any] = {} if VARIANT == "torch" else {"fsdp2_methods": True}
+for layer in model.model.layers:
+    shard(layer, mesh=mesh, **extra)
+shard(model, mesh=mesh, **extra)
+# The Trainer would wrap a model it did not shard itself in DDP (both libraries): mark it as sharded at load time,
+# as transformers' own DistributedConfig loading does.
+model._is_distributed_loading_by_transformers = True
+model.config.distributed_config = DistributedConfig(fsdp_size=dist.get_world_size(), dp_replicate_size=1)
+if VARIANT == "fc":  # the guard patch of transformers' is_fsdp_managed_module (distributed/fsdp.py)
+    original_check = transformers_trainer.is_fsdp_managed_module
+    transformers_trainer.is_fsdp_managed_module = lambda m: original_check(m) or fc.is_fully_sharded(m)
+args = TrainingArguments(
+    output_dir="/tmp/fc-hf-trainer",
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    max_steps=3,
+    learning_rate=1e-2,
+    save_strategy="no",
+    report_to=[],
+    use_cpu=True,
+    logging_steps=1,
+    seed=0,
+    dataloader_num_workers=0,
+    disable_tqdm=True,
+)
+trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+counter = CollectiveCounter()
+with counter:
+    result = trainer.train()
+losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+params = [p.full_tensor().flatten()[:8].tolist() for p in model.parameters()]
+finish_rank(
+    {
+        "loss": losses,
+        "reduce_scatters": counter.counts["reduce_scatter"],
+        "params": params,
+        "wrapped": type(trainer.model_wrapped).__name__,
+    }
+)

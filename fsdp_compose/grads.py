@@ -131,6 +131,9 @@ class UnitGradients:
         self.slot = {id(mp): i for i, mp in enumerate(sharded)}  # sharded trainable parameter -> layout slot
         self.scalar = {id(mp): i for i, mp in enumerate(mp for mp in self.trainable if mp.slot is None)}
         self.column = {id(mp): i for i, mp in enumerate(self.trainable)}  # its "had a gradient" flag column
+        # Where each trainable parameter's rows are in the reduce-scatter output (size, stride, element offset).
+        self._rows_at = {id(mp): self._rows_view(mp) for mp in self.trainable}
+        self._flag_ones: torch.Tensor | None = None  # the "had a gradient" columns of a complete buffer (stage_all)
         # Padding positions of the reduce-scatter input: (rank, start, stop). Zeroed in every new buffer so the
         # collective never reads uninitialised memory (NaN under deterministic mode, trips NCCL's NaN check).
         self.padding = [
@@ -139,6 +142,16 @@ class UnitGradients:
             for rank, rows in enumerate(chunk_rows(slot.shape[0], world_size))
             if rows < slot.rows
         ]
+
+    def _rows_view(self, mp: ManagedParam) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        if id(mp) in self.scalar:
+            return (), (), self.layout.segment_numel + len(self.trainable) + self.scalar[id(mp)]
+        slot = self.layout.slots[self.slot[id(mp)]]
+        size = (chunk_rows(slot.shape[0], self.spec.dp.shard_size)[self.spec.dp.shard_rank], *slot.shape[1:])
+        strides = [1] * len(size)
+        for dim in range(len(size) - 2, -1, -1):
+            strides[dim] = strides[dim + 1] * size[dim + 1]
+        return size, tuple(strides), slot.offset
 
     @property
     def tail(self) -> int:
@@ -244,10 +257,59 @@ class UnitGradients:
             return
         if self.state in (GradState.REDUCE_SCATTERING, GradState.ALL_REDUCING):
             self.finish()  # a second use of the unit in one backward: its first reduction completes first
+        if self.state is GradState.IDLE and self._stage_all():
+            return
         self._flush()
         self._complete(self._buffer_for_writing())
         if self.state is not GradState.STAGED:
             self._to(GradState.STAGED)
+
+    def _stage_all(self) -> bool:
+        """The common case in one op: nothing accumulated and every trainable parameter has its gradient here.
+
+        ``torch._chunk_cat`` chunks each gradient on dim 0 into ``world_size`` padded chunks and lays chunk ``r`` of
+        every gradient end to end in row ``r``: exactly the reduce-scatter layout, padding zeroed, cast to the reduce
+        dtype in the same pass. A constant block of ones fills the flag columns, 0-dim gradients their columns.
+        Returns False (nothing written) when the case does not apply.
+        """
+        spec = self.spec
+        world_size = spec.dp.shard_size
+        grads: list[torch.Tensor] = []
+        scalars: list[torch.Tensor] = []
+        for mp in self.trainable:
+            grad = local_grad(mp)
+            if grad is None:
+                return False
+            if id(mp) in self.scalar:
+                scalars.append(grad.reshape(1, 1).expand(world_size, 1))
+            elif grad.numel() > 0:
+                grads.append(grad)
+        dtypes = {grad.dtype for grad in grads + scalars}
+        if len(dtypes) != 1:
+            return False  # one dtype in, however many out: _chunk_cat casts only to its output's dtype
+        dtype = dtypes.pop()
+        pre = self._pre_divisor()
+        if pre != 1.0 and dtype != spec.reduce_dtype:
+            return False  # the per-parameter path divides before the cast (bit-identical results either way)
+        flags = self._flag_ones
+        if flags is None or flags.dtype != dtype:
+            flags = torch.ones(world_size, len(self.trainable), dtype=dtype, device=spec.device)
+            self._flag_ones = flags
+        if self.make_room is not None:
+            self.make_room()
+        buffer = torch.empty(
+            world_size, self.layout.segment_numel + self.tail, dtype=spec.reduce_dtype, device=spec.device
+        )
+        torch._chunk_cat([*grads, flags, *scalars], dim=0, num_chunks=world_size, out=buffer)
+        if pre != 1.0:
+            buffer.div_(pre)  # the flag columns too: they are only compared with zero
+        for mp in self.trainable:
+            mp.full.grad = None  # type: ignore[union-attr]
+            self.locally_seen.add(id(mp))
+        self.written = set(self.locally_seen)
+        self.buffer = buffer
+        self._to(GradState.STAGED)
+        return True
 
     # ------------------------------------------------------------------ the reduction
     def reduce(self, *, all_reduce_replicas: bool, synchronising: bool) -> None:
@@ -354,15 +416,28 @@ class UnitGradients:
             output.div_(post)
         output = spec.devices.to_shard(output)  # offloaded: the sharded .grad lives in host memory
         had_grad = (output[segment : segment + len(self.trainable)] > 0).tolist() if flight.missing_locally else None
+        if output.dtype != spec.grad_dtype:
+            output = output.to(spec.grad_dtype)  # one cast for the unit (an elementwise cast: same values)
+        base = output.storage_offset()
+        adds: list[torch.Tensor] = []
+        into: list[torch.Tensor] = []
+        delivered = []
         for index, mp in enumerate(self.trainable):
             if had_grad is not None and not had_grad[index]:
                 continue
-            if id(mp) in self.scalar:
-                rows = output[segment + len(self.trainable) + self.scalar[id(mp)]].view(())
+            size, stride, offset = self._rows_at[id(mp)]
+            rows = output.as_strided(size, stride, base + offset)
+            current = mp.sharded.grad
+            if current is None or id(current) == self._placeholders.get(id(mp)):  # a placeholder holds only zeros
+                mp.sharded.grad = DTensor(rows, mp.sharded._spec, requires_grad=False)
             else:
-                rows = self.layout.shard_view(output, self.slot[id(mp)], spec.dp.shard_rank)
-            self._add_to_sharded_grad(mp, rows)
-            if flight.synchronising:
+                into.append(current._local_tensor)  # type: ignore[attr-defined]
+                adds.append(rows)
+            delivered.append(mp)
+        if into:
+            torch._foreach_add_(into, adds)
+        if flight.synchronising:
+            for mp in delivered:
                 run_post_accumulate_grad_hooks(mp.sharded)
         if flight.synchronising and self._placeholders:
             # A parameter no rank had a gradient for keeps ``.grad = None`` (as in single-process training), also
@@ -373,14 +448,6 @@ class UnitGradients:
                 if placeholder is not None and not got_one and id(mp.sharded.grad) == placeholder:
                     mp.sharded.grad = None
             self._placeholders = {}
-
-    def _add_to_sharded_grad(self, mp: ManagedParam, rows: torch.Tensor) -> None:
-        rows = rows.to(self.spec.grad_dtype)
-        current = mp.sharded.grad
-        if current is None or id(current) == self._placeholders.get(id(mp)):  # a placeholder holds only zeros
-            mp.sharded.grad = _like_sharded(mp, rows)
-        else:
-            current._local_tensor.add_(rows)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ gradients held between steps
     def mark_held(self) -> None:

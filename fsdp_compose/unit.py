@@ -38,7 +38,7 @@ from .grads import ReduceSpec, UnitGradients
 from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_scatter_group
 from .offload import UnitDevices
 from .policies import OffloadPolicy
-from .sharding import FlatLayout, copy_param_from_segments, write_param_into_segments
+from .sharding import FlatLayout, write_param_into_segments
 from .transitions import checked
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,49 @@ _ALLOWED: dict[UnitState, frozenset[UnitState]] = {
     UnitState.UNSHARDED: frozenset({UnitState.SHARDED, UnitState.GROUP_SHARDED}),
     UnitState.GROUP_SHARDED: frozenset({UnitState.GATHERING, UnitState.SHARDED}),
 }
+
+
+@dataclass
+class _FullBuffer:
+    """The full (unsharded) parameters of a unit's sharded slots, all in one storage, built once and reused.
+
+    Parameter-major and padded: slot ``i`` owns ``world_size * slot.numel`` elements, viewed as ``(world_size,
+    slot.numel)`` (``outs[i]``), exactly the columns of slot ``i`` in the all-gathered ``(world_size, segment)`` buffer.
+    So the copy-out of a whole unit is one ``split_with_sizes_copy``, and freeing or refilling it is one storage resize.
+    The full parameters are views of the same storage through ``.data`` (their own version counter): refilling it
+    does not trip autograd's check on tensors saved in forward.
+    """
+
+    layout: FlatLayout
+    dtype: torch.dtype
+    data: torch.Tensor
+    splits: list[int]
+    outs: list[torch.Tensor]
+
+    @classmethod
+    def build(cls, layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> _FullBuffer:
+        world_size = layout.world_size
+        data = torch.empty(world_size * layout.segment_numel, dtype=dtype, device=device)
+        outs = [
+            data[world_size * slot.offset : world_size * (slot.offset + slot.numel)].view(world_size, slot.numel)
+            for slot in layout.slots
+        ]
+        return cls(layout, dtype, data, [slot.numel for slot in layout.slots], outs)
+
+    def param_view(self, index: int) -> torch.Tensor:
+        """The full parameter of slot ``index``: its first ``dim0`` rows (the rest is padding)."""
+        slot = self.layout.slots[index]
+        start = self.layout.world_size * slot.offset
+        return self.data.data[start : start + slot.shape.numel()].view(slot.shape)
+
+    def allocate(self) -> None:
+        storage = self.data.untyped_storage()
+        needed = self.data.numel() * self.data.element_size()
+        if storage.size() < needed:
+            storage.resize_(needed)
+
+    def free(self) -> None:
+        self.data.untyped_storage().resize_(0)
 
 
 @dataclass
@@ -126,6 +169,7 @@ class ShardedUnit:
         self._pending_gather: _PendingGather | None = None
         self.post_forward: PostForwardGroup | None = None  # set by reshard_after_forward=k (1 < k < world size)
         self._group_block: torch.Tensor | None = None  # GROUP_SHARDED: this rank's W/k segments of the gathered buffer
+        self._full: _FullBuffer | None = None  # the sharded slots' full parameters (kept, storage freed when sharded)
         self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
         self.grads = UnitGradients(self._reduce_spec(), self.params)
 
@@ -271,12 +315,17 @@ class ShardedUnit:
                 segments = segments[:, : self.layout.segment_numel]
             else:
                 segments = gathered.view(self.world_size, self.layout.segment_numel)
+            full = self._full_buffer(dtype)
+            if full.splits and self.layout.segment_numel > 0:
+                torch.split_with_sizes_copy(segments, full.splits, dim=1, out=full.outs)
             for mp in self.params:
-                full_data = self._ensure_full(mp, dtype)
-                if mp.slot is not None:
-                    copy_param_from_segments(full_data, segments, self.layout.slots[mp.slot])
-                elif full_data.data_ptr() != mp.sharded._local_tensor.data_ptr():
-                    self.devices.copy_to_compute(full_data, mp.sharded._local_tensor)
+                if mp.slot is None:
+                    full_data = self._ensure_full(mp, dtype)
+                    if full_data.data_ptr() != mp.sharded._local_tensor.data_ptr():
+                        self.devices.copy_to_compute(full_data, mp.sharded._local_tensor)
+                elif mp.full is not None and mp.full.requires_grad != mp.trainable:
+                    mp.full.requires_grad_(mp.trainable)
+                    self._hook_full(mp)
                 mp.gathered_version = mp.sharded._version
                 assert mp.full is not None
                 mp.register(mp.full)
@@ -286,8 +335,27 @@ class ShardedUnit:
         self.start_unshard(dtype, async_op=False)
         self.finish_unshard()
 
+    def _full_buffer(self, dtype: torch.dtype) -> _FullBuffer:
+        """The sharded slots' full parameters with storage allocated: built on first use and when the layout, the
+        dtype or a parameter object changed; otherwise the same tensors, their storage resized back."""
+        full = self._full
+        if (
+            full is None
+            or full.layout is not self.layout
+            or full.dtype != dtype
+            or any(mp.full is None for mp in self.params if mp.slot is not None)
+        ):
+            full = self._full = _FullBuffer.build(self.layout, dtype, self.device)
+            for mp in self.params:
+                if mp.slot is not None:
+                    mp.full, mp.full_data = make_full_param(full.param_view(mp.slot), mp.placing, mp.trainable)
+                    mp.full_hooked = False
+                    self._hook_full(mp)
+        full.allocate()
+        return full
+
     def _ensure_full(self, mp: ManagedParam, dtype: torch.dtype) -> torch.Tensor:
-        """The full parameter's ``.data`` with storage allocated (created on first use, resized back after)."""
+        """A kept-whole parameter's full ``.data`` with storage allocated (created on first use, resized back after)."""
         if mp.full is None or mp.full.dtype != dtype:
             if mp.slot is None and dtype == self.shards.dtype and not self.devices.offloaded:
                 local = mp.sharded._local_tensor  # whole: the full parameter aliases it, no copy
@@ -326,8 +394,14 @@ class ShardedUnit:
                 mp.sharded.requires_grad_(mp.full.requires_grad)
             mp.register(mp.sharded)
             full_data = mp.full_data
-            if full_data is not None and full_data.untyped_storage().data_ptr() != mp.sharded._local_tensor.data_ptr():
+            if (
+                mp.slot is None
+                and full_data is not None
+                and full_data.untyped_storage().data_ptr() != mp.sharded._local_tensor.data_ptr()
+            ):
                 full_data.untyped_storage().resize_(0)
+        if self._full is not None:
+            self._full.free()
 
     def reshard_to_group(self) -> None:
         """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest.
@@ -433,6 +507,7 @@ class ShardedUnit:
         new.explicit = False
         new._pending_gather = None
         new._group_block = None
+        new._full = None
         divide_factor = self.grads.divide_factor
         new.grads = UnitGradients(new._reduce_spec(), new.params)
         new.grads.divide_factor = divide_factor

@@ -40,6 +40,7 @@ from .flat import ManagedParam, local_grad, run_post_accumulate_grad_hooks
 from .meshes import DataParallelMesh
 from .offload import UnitDevices
 from .sharding import FlatLayout, chunk_rows, divide_factors, write_grad_into_segments
+from .streams import record_event
 from .transitions import checked
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,17 @@ class _InFlight:
     synchronising: bool  # the gradients are final after this reduction (user hooks fire)
 
 
+@dataclass
+class _Delivery:
+    """Reduced rows on their way to ``.grad``: the output (host memory under offload), the flags a rank that lacked
+    a gradient reads (host), and the event after which the host may read both (None: nothing to wait for)."""
+
+    output: torch.Tensor
+    flags: torch.Tensor | None
+    ready: torch.Event | None
+    synchronising: bool
+
+
 class UnitGradients:
     """The gradient side of a ``ShardedUnit``: a ``GradState`` machine over one buffer and one reduction in flight."""
 
@@ -97,6 +109,7 @@ class UnitGradients:
         self.state = GradState.IDLE
         self.buffer: torch.Tensor | None = None  # ACCUMULATING / STAGED: the reduce-scatter input being filled
         self.flight: _InFlight | None = None  # REDUCE_SCATTERING / ALL_REDUCING
+        self.deliveries: list[_Delivery] = []  # reduced, waiting for a device-to-host copy (see _deliver)
         self.replica_partial: torch.Tensor | None = None  # HSDP partial sums while the all-reduce is skipped
         self.on_finished: Callable[[], None] | None = None  # e.g. the optimizer step in backward
         # Set by the step context: completes another unit's reduce-scatter in flight, so that at most one full-size
@@ -405,19 +418,47 @@ class UnitGradients:
         self._to(GradState.IDLE)
         with labelled("fsdp_compose::deliver_gradients"):
             self._deliver(flight)
-        if self.on_finished is not None:
-            self.on_finished()
 
     def _deliver(self, flight: _InFlight) -> None:
+        """Start handing out the reduced rows: the device-side part now, the rest once the host may read them.
+
+        Two things need the host to see device data: the "had a gradient" flags (read only by a rank that lacked
+        a gradient itself) and, under CPU offload, the rows themselves (the sharded ``.grad`` lives in host memory).
+        Both are copied asynchronously and an event is recorded; ``settle`` waits for it and hands the rows out.
+        Within a backward that happens in the final callback, so nothing in backward waits for the device.
+        """
         output, spec = flight.output, self.spec
         segment = self.layout.segment_numel
         _, post = divide_factors(spec.dp.size, self.divide_factor, spec.reduce_dtype)
         if post != 1.0:
             output.div_(post)
-        output = spec.devices.to_shard(output)  # offloaded: the sharded .grad lives in host memory
-        had_grad = (output[segment : segment + len(self.trainable)] > 0).tolist() if flight.missing_locally else None
+        flags = output[segment : segment + len(self.trainable)] > 0 if flight.missing_locally else None
         if output.dtype != spec.grad_dtype:
             output = output.to(spec.grad_dtype)  # one cast for the unit (an elementwise cast: same values)
+        delivery = _Delivery(output, flags, None, flight.synchronising)
+        if spec.devices.offloaded or flags is not None:
+            delivery.output = spec.devices.to_shard(output)  # offloaded: the sharded .grad lives in host memory
+            if flags is not None:
+                delivery.flags = spec.devices.to_host(flags)
+            delivery.ready = record_event(spec.device)
+            self.deliveries.append(delivery)
+            if torch._C._current_graph_task_id() == -1:  # not in a backward: no final callback will settle it
+                self.settle()
+            return
+        self._hand_out(delivery)
+
+    def settle(self) -> None:
+        """Wait for the copies of the deliveries ``_deliver`` started and hand their rows out (the end of backward)."""
+        deliveries, self.deliveries = self.deliveries, []
+        for delivery in deliveries:
+            if delivery.ready is not None:
+                delivery.ready.synchronize()
+            self._hand_out(delivery)
+
+    def _hand_out(self, delivery: _Delivery) -> None:
+        """Every rank's rows become (or are added to) the sharded ``.grad``; hooks and ``on_finished`` run after."""
+        output = delivery.output
+        had_grad = None if delivery.flags is None else delivery.flags.tolist()
         base = output.storage_offset()
         adds: list[torch.Tensor] = []
         into: list[torch.Tensor] = []
@@ -436,10 +477,10 @@ class UnitGradients:
             delivered.append(mp)
         if into:
             torch._foreach_add_(into, adds)
-        if flight.synchronising:
+        if delivery.synchronising:
             for mp in delivered:
                 run_post_accumulate_grad_hooks(mp.sharded)
-        if flight.synchronising and self._placeholders:
+        if delivery.synchronising and self._placeholders:
             # A parameter no rank had a gradient for keeps ``.grad = None`` (as in single-process training), also
             # where a held-gradient placeholder stood: otherwise optimizers would step it (weight decay, momentum).
             for index, mp in enumerate(self.trainable):
@@ -448,6 +489,8 @@ class UnitGradients:
                 if placeholder is not None and not got_one and id(mp.sharded.grad) == placeholder:
                     mp.sharded.grad = None
             self._placeholders = {}
+        if self.on_finished is not None:
+            self.on_finished()
 
     # ------------------------------------------------------------------ gradients held between steps
     def mark_held(self) -> None:
@@ -498,7 +541,8 @@ class UnitGradients:
 
     def discard(self) -> None:
         """Drop everything held or in flight (a failed step, a user's zero_grad). Waits for a running collective:
-        every rank issued it, so every rank must complete it."""
+        every rank issued it, so every rank must complete it. Rows already reduced are handed out (they are final)."""
+        self.settle()
         flight = self.flight
         if flight is not None:
             self._wait_reduce_scatter(flight)

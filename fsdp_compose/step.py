@@ -250,8 +250,10 @@ class StepContext:
                     state.post_backward()
             self.issue_reductions_in_order(final=True)
             for state in reversed(self.states):
+                state.unit.grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
+            for state in reversed(self.states):
                 grads = state.unit.grads
-                grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
+                grads.settle()  # the one point where the host waits for device-to-host copies of gradients
                 if not state.reduces_now:
                     grads.accumulate()
                 grads.mark_held()

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map
 from .checks import check_ranks_agree
 from .collectives import labelled
 from .grads import GradState
+from .streams import side_stream
 from .transitions import checked
 from .unit import UnitState
 
@@ -84,6 +85,8 @@ class StepContext:
         # on every rank), and the backward that reduces them "drains" the window (see begin_backward).
         self.gradients_held = False
         self.draining = False
+        # All-gather copy-in and issue overlap compute on this side stream (None on a CPU device: streams.py).
+        self.gather_stream = side_stream(root.device)
         for state in states:
             state.unit.grads.make_room = self.complete_reduction_in_flight
 

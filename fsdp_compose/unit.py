@@ -39,6 +39,7 @@ from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_sca
 from .offload import UnitDevices
 from .policies import OffloadPolicy
 from .sharding import FlatLayout, write_param_into_segments
+from .streams import issued_on, record_event, wait_for
 from .transitions import checked
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class _PendingGather:
     output: torch.Tensor
     input: torch.Tensor
     encoded: bool  # the output needs the all-gather extension's decode
+    issued: torch.Event | None = None  # recorded on the side stream after the copy-in and the collective's issue
 
 
 class _CaptureGrad:
@@ -250,8 +252,12 @@ class ShardedUnit:
             self.grads = _rebuilt_gradients(self.grads, self._reduce_spec(), self.params)
 
     # ------------------------------------------------------------------ unshard / reshard
-    def start_unshard(self, dtype: torch.dtype, *, async_op: bool) -> None:
-        """Issue the all-gather in ``dtype`` (no-op when already unsharded or gathering)."""
+    def start_unshard(self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None = None) -> None:
+        """Issue the all-gather in ``dtype`` (no-op when already unsharded or gathering).
+
+        ``stream``: a side stream for the copy-in and the collective's issue, so they overlap compute (None: the
+        current stream; always None on a CPU device). ``finish_unshard`` makes the compute stream wait for it.
+        """
         if self.state is UnitState.GROUP_SHARDED:
             block = self._group_block
             self._group_block = None
@@ -266,26 +272,35 @@ class ShardedUnit:
         transform = self.extensions.all_gather
         numel = self.layout.segment_numel
         flat = self.shards.flat
-        with labelled("fsdp_compose::all_gather"):
-            if transform is None and dtype != flat.dtype and self.world_size > 1 and numel > 0:
+        cast_in_place = transform is None and dtype != flat.dtype and self.world_size > 1 and numel > 0
+        gathers = self.world_size > 1 and numel > 0
+        if transform is not None:
+            stream = None  # an extension's encode decides the collective's size: it runs on the compute stream
+        # Allocated on the compute stream, which frees it after the copy-out (the rule in streams.py).
+        gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device) if gathers else None
+        with labelled("fsdp_compose::all_gather"), issued_on(stream, self.device):
+            if cast_in_place:
                 # Cast straight into this rank's segment of the output and all-gather in place (the input is a view
                 # of the output): no separate low-precision copy of the shard lives next to the output while it
                 # runs. Offloaded, the shard crosses to the device in its own dtype first and is cast there.
-                gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device)
+                assert gathered is not None
                 shard = gathered[self.rank * numel : (self.rank + 1) * numel]
                 shard.copy_(self.devices.to_compute(flat, flat.dtype))
                 work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
-                self._pending_gather = _PendingGather(work, gathered, shard, encoded=False)
+                pending = _PendingGather(work, gathered, shard, encoded=False)
             else:
                 shard = self.devices.to_compute(flat, dtype)
-                if transform is not None and self.world_size > 1:
+                if transform is not None and gathers:
                     shard = transform.encode(shard)
-                if self.world_size == 1 or numel == 0:
-                    self._pending_gather = _PendingGather(None, shard, shard, encoded=False)
+                    gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=self.device)
+                if gathered is None:
+                    pending = _PendingGather(None, shard, shard, encoded=False)
                 else:
-                    gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
                     work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
-                    self._pending_gather = _PendingGather(work, gathered, shard, encoded=transform is not None)
+                    pending = _PendingGather(work, gathered, shard, encoded=transform is not None)
+        if stream is not None:
+            pending.issued = record_event(self.device, stream)
+        self._pending_gather = pending
         self._to(UnitState.GATHERING)
 
     def _start_group_gather(self, block: torch.Tensor, *, async_op: bool) -> None:
@@ -303,6 +318,7 @@ class ShardedUnit:
             return
         assert self._pending_gather is not None and self.compute_dtype is not None
         pending, self._pending_gather = self._pending_gather, None
+        wait_for(pending.issued, self.device)
         if pending.work is not None:
             with labelled("fsdp_compose::all_gather_wait"):
                 pending.work.wait()

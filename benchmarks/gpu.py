@@ -43,7 +43,7 @@ import fsdp_compose as fc
 class LlamaConfig:
     vocab: int = 32000
     dim: int = 2048
-    layers: int = 16
+    layers: int = 18
     heads: int = 16
     kv_heads: int = 8
     ffn: int = 5632

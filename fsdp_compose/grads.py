@@ -146,7 +146,6 @@ class UnitGradients:
         self.column = {id(mp): i for i, mp in enumerate(self.trainable)}  # its "had a gradient" flag column
         # Where each trainable parameter's rows are in the reduce-scatter output (size, stride, element offset).
         self._rows_at = {id(mp): self._rows_view(mp) for mp in self.trainable}
-        self._flag_ones: torch.Tensor | None = None  # the "had a gradient" columns of a complete buffer (stage_all)
         # Padding positions of the reduce-scatter input: (rank, start, stop). Zeroed in every new buffer so the
         # collective never reads uninitialised memory (NaN under deterministic mode, trips NCCL's NaN check).
         self.padding = [
@@ -282,7 +281,7 @@ class UnitGradients:
 
         ``torch._chunk_cat`` chunks each gradient on dim 0 into ``world_size`` padded chunks and lays chunk ``r`` of
         every gradient end to end in row ``r``: exactly the reduce-scatter layout, padding zeroed, cast to the reduce
-        dtype in the same pass. A constant block of ones fills the flag columns, 0-dim gradients their columns.
+        dtype in the same pass. A block of ones fills the flag columns, 0-dim gradients their columns.
         Returns False (nothing written) when the case does not apply.
         """
         spec = self.spec
@@ -304,15 +303,13 @@ class UnitGradients:
         pre = self._pre_divisor()
         if pre != 1.0 and dtype != spec.reduce_dtype:
             return False  # the per-parameter path divides before the cast (bit-identical results either way)
-        flags = self._flag_ones
-        if flags is None or flags.dtype != dtype:
-            flags = torch.ones(world_size, len(self.trainable), dtype=dtype, device=spec.device)
-            self._flag_ones = flags
         if self.make_room is not None:
             self.make_room()
         buffer = torch.empty(
             world_size, self.layout.segment_numel + self.tail, dtype=spec.reduce_dtype, device=spec.device
         )
+        # the flag columns: one element broadcast (no block of ones next to the buffer and the gradients)
+        flags = torch.ones((), dtype=dtype, device=spec.device).expand(world_size, len(self.trainable))
         torch._chunk_cat([*grads, flags, *scalars], dim=0, num_chunks=world_size, out=buffer)
         if pre != 1.0:
             buffer.div_(pre)  # the flag columns too: they are only compared with zero

@@ -4,7 +4,11 @@
 module keeps its class. See docs/design.md for one training step through the code.
 """
 
-from .api import (
+from .compat import check_torch_version
+
+check_torch_version()  # before anything that needs the newer torch APIs
+
+from .api import (  # noqa: E402
     UnshardHandle,
     fully_shard,
     get_state,
@@ -27,12 +31,12 @@ from .api import (
     set_reshard_after_forward,
     unshard,
 )
-from .clip import clip_grad_norm_
-from .description import ParamDescription, UnitDescription, describe, describe_units, print_description
-from .extensions import CastAllGather, Int8AllGather, ShardExtensions
-from .fsdp2 import FSDP2_METHOD_NAMES, bind_fsdp2_methods, has_fsdp2_methods, share_comm_ctx
-from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .state_dict import full_state_dict, load_full_state_dict
+from .clip import clip_grad_norm_  # noqa: E402
+from .description import ParamDescription, UnitDescription, describe, describe_units, print_description  # noqa: E402
+from .extensions import CastAllGather, Int8AllGather, ShardExtensions  # noqa: E402
+from .fsdp2 import FSDP2_METHOD_NAMES, bind_fsdp2_methods, has_fsdp2_methods, share_comm_ctx  # noqa: E402
+from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
+from .state_dict import full_state_dict, load_full_state_dict  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -40,6 +40,7 @@ from .flat import ManagedParam, local_grad, run_post_accumulate_grad_hooks
 from .meshes import DataParallelMesh
 from .offload import UnitDevices
 from .sharding import FlatLayout, chunk_rows, divide_factors, write_grad_into_segments
+from .streams import record_event
 from .transitions import checked
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,17 @@ class _InFlight:
     synchronising: bool  # the gradients are final after this reduction (user hooks fire)
 
 
+@dataclass
+class _Delivery:
+    """Reduced rows on their way to ``.grad``: the output (host memory under offload), the flags a rank that lacked
+    a gradient reads (host), and the event after which the host may read both (None: nothing to wait for)."""
+
+    output: torch.Tensor
+    flags: torch.Tensor | None
+    ready: torch.Event | None
+    synchronising: bool
+
+
 class UnitGradients:
     """The gradient side of a ``ShardedUnit``: a ``GradState`` machine over one buffer and one reduction in flight."""
 
@@ -97,6 +109,7 @@ class UnitGradients:
         self.state = GradState.IDLE
         self.buffer: torch.Tensor | None = None  # ACCUMULATING / STAGED: the reduce-scatter input being filled
         self.flight: _InFlight | None = None  # REDUCE_SCATTERING / ALL_REDUCING
+        self.deliveries: list[_Delivery] = []  # reduced, waiting for a device-to-host copy (see _deliver)
         self.replica_partial: torch.Tensor | None = None  # HSDP partial sums while the all-reduce is skipped
         self.on_finished: Callable[[], None] | None = None  # e.g. the optimizer step in backward
         # Set by the step context: completes another unit's reduce-scatter in flight, so that at most one full-size
@@ -136,6 +149,8 @@ class UnitGradients:
         self.slot = {id(mp): i for i, mp in enumerate(sharded)}  # sharded trainable parameter -> layout slot
         self.scalar = {id(mp): i for i, mp in enumerate(mp for mp in self.trainable if mp.slot is None)}
         self.column = {id(mp): i for i, mp in enumerate(self.trainable)}  # its "had a gradient" flag column
+        # Where each trainable parameter's rows are in the reduce-scatter output (size, stride, element offset).
+        self._rows_at = {id(mp): self._rows_view(mp) for mp in self.trainable}
         # Padding positions of the reduce-scatter input: (rank, start, stop). Zeroed in every new buffer so the
         # collective never reads uninitialised memory (NaN under deterministic mode, trips NCCL's NaN check).
         self.padding = [
@@ -144,6 +159,16 @@ class UnitGradients:
             for rank, rows in enumerate(chunk_rows(slot.dim_size, world_size))
             if rows < slot.rows
         ]
+
+    def _rows_view(self, mp: ManagedParam) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        if id(mp) in self.scalar:
+            return (), (), self.layout.segment_numel + len(self.trainable) + self.scalar[id(mp)]
+        slot = self.layout.slots[self.slot[id(mp)]]
+        size = tuple(slot.chunk_shape(chunk_rows(slot.dim_size, self.spec.dp.shard_size)[self.spec.dp.shard_rank]))
+        strides = [1] * len(size)
+        for dim in range(len(size) - 2, -1, -1):
+            strides[dim] = strides[dim + 1] * size[dim + 1]
+        return size, tuple(strides), slot.offset
 
     @property
     def tail(self) -> int:
@@ -249,10 +274,59 @@ class UnitGradients:
             return
         if self.state in (GradState.REDUCE_SCATTERING, GradState.ALL_REDUCING):
             self.finish()  # a second use of the unit in one backward: its first reduction completes first
+        if self.state is GradState.IDLE and self._stage_all():
+            return
         self._flush()
         self._complete(self._buffer_for_writing())
         if self.state is not GradState.STAGED:
             self._to(GradState.STAGED)
+
+    def _stage_all(self) -> bool:
+        """The common case in one op: nothing accumulated and every trainable parameter has its gradient here.
+
+        ``torch._chunk_cat`` chunks each gradient on dim 0 into ``world_size`` padded chunks and lays chunk ``r`` of
+        every gradient end to end in row ``r``: exactly the reduce-scatter layout, padding zeroed, cast to the reduce
+        dtype in the same pass. A block of ones fills the flag columns, 0-dim gradients their columns.
+        Returns False (nothing written) when the case does not apply.
+        """
+        spec = self.spec
+        world_size = spec.dp.shard_size
+        if any(slot.dim != 0 for slot in self.layout.slots):
+            return False  # _chunk_cat chunks dim 0; a Shard(k) parameter's chunks are along k
+        grads: list[torch.Tensor] = []
+        scalars: list[torch.Tensor] = []
+        for mp in self.trainable:
+            grad = local_grad(mp)
+            if grad is None:
+                return False
+            if id(mp) in self.scalar:
+                scalars.append(grad.reshape(1, 1).expand(world_size, 1))
+            elif grad.numel() > 0:
+                grads.append(grad)
+        dtypes = {grad.dtype for grad in grads + scalars}
+        if len(dtypes) != 1:
+            return False  # one dtype in, however many out: _chunk_cat casts only to its output's dtype
+        dtype = dtypes.pop()
+        pre = self._pre_divisor()
+        if pre != 1.0 and dtype != spec.reduce_dtype:
+            return False  # the per-parameter path divides before the cast (bit-identical results either way)
+        if self.make_room is not None:
+            self.make_room()
+        buffer = torch.empty(
+            world_size, self.layout.segment_numel + self.tail, dtype=spec.reduce_dtype, device=spec.device
+        )
+        # the flag columns: one element broadcast (no block of ones next to the buffer and the gradients)
+        flags = torch.ones((), dtype=dtype, device=spec.device).expand(world_size, len(self.trainable))
+        torch._chunk_cat([*grads, flags, *scalars], dim=0, num_chunks=world_size, out=buffer)
+        if pre != 1.0:
+            buffer.div_(pre)  # the flag columns too: they are only compared with zero
+        for mp in self.trainable:
+            mp.full.grad = None  # type: ignore[union-attr]
+            self.locally_seen.add(id(mp))
+        self.written = set(self.locally_seen)
+        self.buffer = buffer
+        self._to(GradState.STAGED)
+        return True
 
     # ------------------------------------------------------------------ the reduction
     def reduce(self, *, all_reduce_replicas: bool, synchronising: bool) -> None:
@@ -350,28 +424,69 @@ class UnitGradients:
             return
         with labelled("fsdp_compose::deliver_gradients"):
             self._deliver(flight)
-        if self.on_finished is not None:
-            self.on_finished()
 
     def _deliver(self, flight: _InFlight) -> None:
+        """Start handing out the reduced rows: the device-side part now, the rest once the host may read them.
+
+        Two things need the host to see device data: the "had a gradient" flags (read only by a rank that lacked
+        a gradient itself) and, under CPU offload, the rows themselves (the sharded ``.grad`` lives in host memory).
+        Both are copied asynchronously and an event is recorded; ``settle`` waits for it and hands the rows out.
+        Within a backward that happens in the final callback, so nothing in backward waits for the device.
+        """
         output, spec = flight.output, self.spec
         segment = self.layout.segment_numel
         _, post = divide_factors(spec.dp.size, self.divide_factor, spec.reduce_dtype)
         if post != 1.0:
             output.div_(post)
-        output = spec.devices.to_shard(output)  # offloaded: the sharded .grad lives in host memory
-        had_grad = (output[segment : segment + len(self.trainable)] > 0).tolist() if flight.missing_locally else None
+        flags = output[segment : segment + len(self.trainable)] > 0 if flight.missing_locally else None
+        if output.dtype != spec.grad_dtype:
+            output = output.to(spec.grad_dtype)  # one cast for the unit (an elementwise cast: same values)
+        delivery = _Delivery(output, flags, None, flight.synchronising)
+        if spec.devices.offloaded or flags is not None:
+            delivery.output = spec.devices.to_shard(output)  # offloaded: the sharded .grad lives in host memory
+            if flags is not None:
+                delivery.flags = spec.devices.to_host(flags)
+            delivery.ready = record_event(spec.device)
+            self.deliveries.append(delivery)
+            if torch._C._current_graph_task_id() == -1:  # not in a backward: no final callback will settle it
+                self.settle()
+            return
+        self._hand_out(delivery)
+
+    def settle(self) -> None:
+        """Wait for the copies of the deliveries ``_deliver`` started and hand their rows out (the end of backward)."""
+        deliveries, self.deliveries = self.deliveries, []
+        for delivery in deliveries:
+            if delivery.ready is not None:
+                delivery.ready.synchronize()
+            self._hand_out(delivery)
+
+    def _hand_out(self, delivery: _Delivery) -> None:
+        """Every rank's rows become (or are added to) the sharded ``.grad``; hooks and ``on_finished`` run after."""
+        output = delivery.output
+        had_grad = None if delivery.flags is None else delivery.flags.tolist()
+        base = output.storage_offset()
+        adds: list[torch.Tensor] = []
+        into: list[torch.Tensor] = []
+        delivered = []
         for index, mp in enumerate(self.trainable):
             if had_grad is not None and not had_grad[index]:
                 continue
-            if id(mp) in self.scalar:
-                rows = output[segment + len(self.trainable) + self.scalar[id(mp)]].view(())
+            size, stride, offset = self._rows_at[id(mp)]
+            rows = output.as_strided(size, stride, base + offset)
+            current = mp.sharded.grad
+            if current is None or id(current) == self._placeholders.get(id(mp)):  # a placeholder holds only zeros
+                mp.sharded.grad = DTensor(rows, mp.sharded._spec, requires_grad=False)
             else:
-                rows = self.layout.shard_view(output, self.slot[id(mp)], spec.dp.shard_rank)
-            self._add_to_sharded_grad(mp, rows)
-            if flight.synchronising:
+                into.append(current._local_tensor)  # type: ignore[attr-defined]
+                adds.append(rows)
+            delivered.append(mp)
+        if into:
+            torch._foreach_add_(into, adds)
+        if delivery.synchronising:
+            for mp in delivered:
                 run_post_accumulate_grad_hooks(mp.sharded)
-        if flight.synchronising and self._placeholders:
+        if delivery.synchronising and self._placeholders:
             # A parameter no rank had a gradient for keeps ``.grad = None`` (as in single-process training), also
             # where a held-gradient placeholder stood: otherwise optimizers would step it (weight decay, momentum).
             for index, mp in enumerate(self.trainable):
@@ -380,14 +495,8 @@ class UnitGradients:
                 if placeholder is not None and not got_one and id(mp.sharded.grad) == placeholder:
                     mp.sharded.grad = None
             self._placeholders = {}
-
-    def _add_to_sharded_grad(self, mp: ManagedParam, rows: torch.Tensor) -> None:
-        rows = rows.to(self.spec.grad_dtype)
-        current = mp.sharded.grad
-        if current is None or id(current) == self._placeholders.get(id(mp)):  # a placeholder holds only zeros
-            mp.sharded.grad = _like_sharded(mp, rows)
-        else:
-            current._local_tensor.add_(rows)  # type: ignore[attr-defined]
+        if self.on_finished is not None:
+            self.on_finished()
 
     # ------------------------------------------------------------------ gradients held between steps
     def mark_held(self) -> None:
@@ -438,7 +547,8 @@ class UnitGradients:
 
     def discard(self) -> None:
         """Drop everything held or in flight (a failed step, a user's zero_grad). Waits for a running collective:
-        every rank issued it, so every rank must complete it."""
+        every rank issued it, so every rank must complete it. Rows already reduced are handed out (they are final)."""
+        self.settle()
         flight = self.flight
         if flight is not None:
             self._wait_reduce_scatter(flight)

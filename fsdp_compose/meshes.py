@@ -284,8 +284,7 @@ def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _root(mesh: DeviceMesh) -> DeviceMesh:
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    return get_root() if callable(get_root) else mesh
+    return mesh._get_root_mesh()  # torch >= 2.10 (compat.MIN_TORCH)
 
 
 def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str, shard_dim: int = 0) -> ParamPlacing:

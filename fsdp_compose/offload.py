@@ -5,7 +5,7 @@ Without offload both are the mesh's device and every helper here is a no-op. Und
 gradients live in host memory, where the optimizer steps. Data crosses in exactly two directions::
 
     to_compute / copy_to_compute   host -> device, before the all-gather (and for kept-whole parameters)
-    to_shard                       device -> host, after the reduce-scatter
+    to_shard / to_host             device -> host, after the reduce-scatter (asynchronous, then an event)
 
 Every transfer of a unit goes through these helpers, so what moves where is visible in one place.
 """
@@ -89,25 +89,37 @@ class UnitDevices:
         Offloaded, always a new tensor, also where both devices are the CPU: the path is then the same as with an
         accelerator. Copied in the stored dtype and cast on the device, so the host does no arithmetic and a pinned
         source stays an asynchronous copy. In training it has completed before the optimizer writes ``flat``: the
-        blocking ``to_shard`` copies of the backward come later on the same stream.
+        end of backward waits for an event recorded after the ``to_shard`` copies, which come later on the same
+        stream.
         """
         if self.offloaded:
             flat = flat.to(self.compute, non_blocking=self.pin_memory, copy=True)
         return flat if flat.dtype == dtype else flat.to(dtype)
 
     def copy_to_compute(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Fill ``dst`` (compute device) from ``src``, e.g. a kept-whole parameter's full tensor from its shard."""
+        """Fill ``dst`` (compute device) from ``src``, e.g. a kept-whole parameter's full tensor from its shard.
+
+        Offloaded with another dtype, ``src`` crosses in its own dtype and is cast on the device: a copy that casts
+        from host memory would convert on the host, into pageable memory, and so block.
+        """
+        if self.offloaded and dst.dtype != src.dtype:
+            src = src.to(self.compute, non_blocking=self.pin_memory, copy=True)
         dst.copy_(src, non_blocking=self.pin_memory)
 
     # ------------------------------------------------------------------ device -> host
     def to_shard(self, reduced: torch.Tensor) -> torch.Tensor:
         """The reduce-scatter output on the shard device, where the sharded ``.grad`` lives.
 
-        Blocking on purpose: right after this the host reads the values (the "had a gradient" flags, ``+=`` into an
-        existing ``.grad``, an optimizer step in backward). One copy per unit, of the whole reduced shard.
+        Asynchronous where it can be (pinned memory): the caller records an event after it and waits for that event
+        before the host reads the values (``UnitGradients.settle``, at the end of backward). One copy per unit, of
+        the whole reduced shard.
         """
         if not self.offloaded:
             return reduced
         host = torch.empty(reduced.shape, dtype=reduced.dtype, device=self.shard, pin_memory=self.pin_memory)
-        host.copy_(reduced)
+        host.copy_(reduced, non_blocking=self.pin_memory)
         return host
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` in host memory, asynchronous from an accelerator (read it after an event)."""
+        return tensor.to("cpu", non_blocking=tensor.device.type != "cpu", copy=True)

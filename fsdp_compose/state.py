@@ -216,14 +216,20 @@ class ShardState:
             return self.unit.orig_dtype
         return self.unit.param_dtype
 
+    @property
+    def gather_stream(self) -> torch.Stream | None:
+        """The root's side stream for all-gather copy-in (None on a CPU device or before lazy init)."""
+        root = self.root
+        return root.ctx.gather_stream if root is not None and root.ctx is not None else None
+
     def start_gather(self, *, async_op: bool) -> None:
         """Issue this unit's all-gather in its compute dtype, if it needs one."""
         if self.unit.needs_gather:
-            self.unit.start_unshard(self.compute_dtype(self.modules[0]), async_op=async_op)
+            self.unit.start_unshard(self.compute_dtype(self.modules[0]), async_op=async_op, stream=self.gather_stream)
 
     def gather_now(self) -> None:
         unit = self.unit
-        unit.start_unshard(self.compute_dtype(self.modules[0]), async_op=False)
+        unit.start_unshard(self.compute_dtype(self.modules[0]), async_op=False, stream=self.gather_stream)
         unit.finish_unshard()
 
     # ------------------------------------------------------------------ forward
@@ -270,7 +276,7 @@ class ShardState:
         unit.explicit = False  # an fc.unshard issued before this forward is consumed here
         unit.grads.accumulating = not self.reduces_now
         self.kept_unsharded = False
-        unit.start_unshard(compute_dtype, async_op=False)
+        unit.start_unshard(compute_dtype, async_op=False, stream=self.gather_stream)
         unit.finish_unshard()
         root = self.root
         if root is not None and root.ctx is not None and not backward_running:

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map
 from .checks import check_ranks_agree
 from .collectives import labelled
 from .grads import GradState
+from .streams import side_stream
 from .transitions import checked
 from .unit import UnitState
 
@@ -96,11 +97,13 @@ class StepContext:
         self._backward_position: dict[int, int] = {}
         self.gather_cursor = 0  # backward_order[:gather_cursor] had their backward all-gathers issued
         self.next_reduction = 0  # position in reversed(states) of the next reduce-scatter to issue
-        self.last_reduced: ShardState | None = None  # the unit whose reduce-scatter went out last
+        self.reducing: list[ShardState] = []  # units whose reduce-scatter went out and may still hold its input
         # The last backward left no-sync gradients in accumulation buffers (decided from settings, so it is the same
         # on every rank), and the backward that reduces them "drains" the window (see begin_backward).
         self.gradients_held = False
         self.draining = False
+        # All-gather copy-in and issue overlap compute on this side stream (None on a CPU device: streams.py).
+        self.gather_stream = side_stream(root.device)
         for state in states:
             state.unit.grads.make_room = self.complete_reduction_in_flight
 
@@ -172,7 +175,7 @@ class StepContext:
             self._backward_position.setdefault(id(state), position)
         self.gather_cursor = 0
         self.next_reduction = 0
-        self.last_reduced = None
+        self.reducing = []
 
     def gather_for_backward(self, state: ShardState) -> None:
         """Pre-backward of ``state``: issue the backward all-gathers up to it in the fixed order, then its own.
@@ -182,10 +185,10 @@ class StepContext:
         While draining an accumulation window the implicit prefetch is skipped (the next unit's parameters would
         wait through this unit's reduce-scatter on top of every accumulation buffer: the step's peak).
         """
-        if self.draining:
-            # Let the reduce-scatter in flight complete before more parameters are gathered, so the two never
-            # coexist next to every unit's accumulation buffer.
-            self.complete_reduction_in_flight()
+        # A reduce-scatter in flight that has completed frees its input before this unit's all-gather output is
+        # allocated (a check, not a wait); while draining an accumulation window it completes in any case, so the
+        # two never coexist next to every unit's accumulation buffer.
+        self.complete_reduction_in_flight()
         target = self._backward_position.get(id(state))
         if target is not None:
             while self.gather_cursor <= target:
@@ -214,16 +217,20 @@ class StepContext:
 
     # ------------------------------------------------------------------ reductions
     def complete_reduction_in_flight(self) -> None:
-        """Free the last reduce-scatter's input before a new gradient buffer is allocated, if it has completed.
+        """Free the inputs of reduce-scatters in flight before a new buffer is allocated: every one that has completed.
 
         No blocking wait while this rank still has backward all-gathers to issue: another rank may issue its side of
-        that reduce-scatter only in its final callback (a unit whose output missed its loss), after all-gathers that
-        need this rank.
+        a reduce-scatter only in its final callback (a unit whose output missed its loss), after all-gathers that
+        need this rank. Every reduction in flight is checked, not only the last: one that had not completed when the
+        next went out would otherwise hold its full-size input until the end of backward.
         """
-        if self.last_reduced is not None:
-            # Blocking is safe once this rank has issued every all-gather of its backward: no peer then waits on it.
-            gathers_left = self.phase is StepPhase.BACKWARD and self.gather_cursor < len(self.backward_order)
-            self.last_reduced.unit.grads.advance(only_if_done=gathers_left)
+        if not self.reducing:
+            return
+        # Blocking is safe once this rank has issued every all-gather of its backward: no peer then waits on it.
+        gathers_left = self.phase is StepPhase.BACKWARD and self.gather_cursor < len(self.backward_order)
+        for state in self.reducing:
+            state.unit.grads.advance(only_if_done=gathers_left)
+        self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
 
     def issue_reductions_in_order(self, *, final: bool = False) -> None:
         """Issue staged reduce-scatters in one fixed order, the same on every rank.
@@ -249,7 +256,7 @@ class StepContext:
                 self.complete_reduction_in_flight()
                 grads.reduce(all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync)
                 state.reduce_issued = True
-                self.last_reduced = state
+                self.reducing.append(state)
             self.next_reduction += 1
 
     def issue_remaining_gathers(self, *, free: bool) -> None:
@@ -288,8 +295,10 @@ class StepContext:
                     state.post_backward()
             self.issue_reductions_in_order(final=True)
             for state in reversed(self.states):
+                state.unit.grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
+            for state in reversed(self.states):
                 grads = state.unit.grads
-                grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
+                grads.settle()  # the one point where the host waits for device-to-host copies of gradients
                 if not state.reduces_now:
                     grads.accumulate()
                 grads.mark_held()
@@ -337,7 +346,7 @@ class StepContext:
         self.gradients_held = False
         self.draining = False
         self.recording = []
-        self.last_reduced = None
+        self.reducing = []
         self.phase = StepPhase.IDLE
 
     def reset(self) -> None:

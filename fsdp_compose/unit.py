@@ -39,6 +39,7 @@ from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_sca
 from .offload import UnitDevices
 from .policies import OffloadPolicy
 from .sharding import FlatLayout, copy_param_from_segments, write_param_into_segments
+from .streams import issued_on, record_event, wait_for
 from .transitions import checked
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,58 @@ _ALLOWED: dict[UnitState, frozenset[UnitState]] = {
 
 
 @dataclass
+class _FullBuffer:
+    """The full (unsharded) parameters of a unit's sharded slots, all in one storage, built once and reused.
+
+    Parameter-major and padded: slot ``i`` owns ``world_size * slot.numel`` elements, viewed as ``(world_size,
+    slot.numel)`` (``outs[i]``), exactly the columns of slot ``i`` in the all-gathered ``(world_size, segment)`` buffer.
+    So the copy-out of a whole unit is one ``split_with_sizes_copy``, and freeing or refilling it is one storage resize.
+    The full parameters are views of the same storage through ``.data`` (their own version counter): refilling it
+    does not trip autograd's check on tensors saved in forward.
+    """
+
+    layout: FlatLayout
+    dtype: torch.dtype
+    data: torch.Tensor
+    splits: list[int]
+    outs: list[torch.Tensor]
+    relaid: dict[int, int]  # slot sharded on a dim k > 0 -> where its full parameter starts, after the padded part
+
+    @classmethod
+    def build(cls, layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> _FullBuffer:
+        world_size = layout.world_size
+        # A Shard(k) slot's region holds the ranks' chunks along k one after another, not the parameter: its full
+        # parameter gets its own place after the padded part (same storage: freed and refilled with the rest).
+        relaid: dict[int, int] = {}
+        end = world_size * layout.segment_numel
+        for index, slot in enumerate(layout.slots):
+            if slot.dim != 0:
+                relaid[index] = end
+                end += slot.shape.numel()
+        data = torch.empty(end, dtype=dtype, device=device)
+        outs = [
+            data[world_size * slot.offset : world_size * (slot.offset + slot.numel)].view(world_size, slot.numel)
+            for slot in layout.slots
+        ]
+        return cls(layout, dtype, data, [slot.numel for slot in layout.slots], outs, relaid)
+
+    def param_view(self, index: int) -> torch.Tensor:
+        """The full parameter of slot ``index``: its first ``dim0`` rows (the rest is padding), or its own place."""
+        slot = self.layout.slots[index]
+        start = self.relaid.get(index, self.layout.world_size * slot.offset)
+        return self.data.data[start : start + slot.shape.numel()].view(slot.shape)
+
+    def allocate(self) -> None:
+        storage = self.data.untyped_storage()
+        needed = self.data.numel() * self.data.element_size()
+        if storage.size() < needed:
+            storage.resize_(needed)
+
+    def free(self) -> None:
+        self.data.untyped_storage().resize_(0)
+
+
+@dataclass
 class _PendingGather:
     """An all-gather in flight. It holds its input too: an asynchronous collective reads it until the wait."""
 
@@ -71,6 +124,7 @@ class _PendingGather:
     output: torch.Tensor
     input: torch.Tensor
     encoded: bool  # the output needs the all-gather extension's decode
+    issued: torch.Event | None = None  # recorded on the side stream after the copy-in and the collective's issue
 
 
 class _CaptureGrad:
@@ -126,6 +180,7 @@ class ShardedUnit:
         self._pending_gather: _PendingGather | None = None
         self.post_forward: PostForwardGroup | None = None  # set by reshard_after_forward=k (1 < k < world size)
         self._group_block: torch.Tensor | None = None  # GROUP_SHARDED: this rank's W/k segments of the gathered buffer
+        self._full: _FullBuffer | None = None  # the sharded slots' full parameters (kept, storage freed when sharded)
         self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
         self.grads = UnitGradients(self._reduce_spec(), self.params)
 
@@ -206,8 +261,12 @@ class ShardedUnit:
             self.grads = _rebuilt_gradients(self.grads, self._reduce_spec(), self.params)
 
     # ------------------------------------------------------------------ unshard / reshard
-    def start_unshard(self, dtype: torch.dtype, *, async_op: bool) -> None:
-        """Issue the all-gather in ``dtype`` (no-op when already unsharded or gathering)."""
+    def start_unshard(self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None = None) -> None:
+        """Issue the all-gather in ``dtype`` (no-op when already unsharded or gathering).
+
+        ``stream``: a side stream for the copy-in and the collective's issue, so they overlap compute (None: the
+        current stream; always None on a CPU device). ``finish_unshard`` makes the compute stream wait for it.
+        """
         if self.state is UnitState.GROUP_SHARDED:
             block = self._group_block
             self._group_block = None
@@ -222,26 +281,35 @@ class ShardedUnit:
         transform = self.extensions.all_gather
         numel = self.layout.segment_numel
         flat = self.shards.flat
-        with labelled("fsdp_compose::all_gather"):
-            if transform is None and dtype != flat.dtype and self.world_size > 1 and numel > 0:
+        cast_in_place = transform is None and dtype != flat.dtype and self.world_size > 1 and numel > 0
+        gathers = self.world_size > 1 and numel > 0
+        if transform is not None:
+            stream = None  # an extension's encode decides the collective's size: it runs on the compute stream
+        # Allocated on the compute stream, which frees it after the copy-out (the rule in streams.py).
+        gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device) if gathers else None
+        with labelled("fsdp_compose::all_gather"), issued_on(stream, self.device):
+            if cast_in_place:
                 # Cast straight into this rank's segment of the output and all-gather in place (the input is a view
                 # of the output): no separate low-precision copy of the shard lives next to the output while it
                 # runs. Offloaded, the shard crosses to the device in its own dtype first and is cast there.
-                gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device)
+                assert gathered is not None
                 shard = gathered[self.rank * numel : (self.rank + 1) * numel]
                 shard.copy_(self.devices.to_compute(flat, flat.dtype))
                 work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
-                self._pending_gather = _PendingGather(work, gathered, shard, encoded=False)
+                pending = _PendingGather(work, gathered, shard, encoded=False)
             else:
                 shard = self.devices.to_compute(flat, dtype)
-                if transform is not None and self.world_size > 1:
+                if transform is not None and gathers:
                     shard = transform.encode(shard)
-                if self.world_size == 1 or numel == 0:
-                    self._pending_gather = _PendingGather(None, shard, shard, encoded=False)
+                    gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=self.device)
+                if gathered is None:
+                    pending = _PendingGather(None, shard, shard, encoded=False)
                 else:
-                    gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
                     work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
-                    self._pending_gather = _PendingGather(work, gathered, shard, encoded=transform is not None)
+                    pending = _PendingGather(work, gathered, shard, encoded=transform is not None)
+        if stream is not None:
+            pending.issued = record_event(self.device, stream)
+        self._pending_gather = pending
         self._to(UnitState.GATHERING)
 
     def _start_group_gather(self, block: torch.Tensor, *, async_op: bool) -> None:
@@ -259,6 +327,7 @@ class ShardedUnit:
             return
         assert self._pending_gather is not None and self.compute_dtype is not None
         pending, self._pending_gather = self._pending_gather, None
+        wait_for(pending.issued, self.device)
         if pending.work is not None:
             with labelled("fsdp_compose::all_gather_wait"):
                 pending.work.wait()
@@ -271,12 +340,19 @@ class ShardedUnit:
                 segments = segments[:, : self.layout.segment_numel]
             else:
                 segments = gathered.view(self.world_size, self.layout.segment_numel)
+            full = self._full_buffer(dtype)
+            if full.splits and self.layout.segment_numel > 0:
+                torch.split_with_sizes_copy(segments, full.splits, dim=1, out=full.outs)
+            for index in full.relaid:
+                copy_param_from_segments(full.param_view(index), segments, self.layout.slots[index])
             for mp in self.params:
-                full_data = self._ensure_full(mp, dtype)
-                if mp.slot is not None:
-                    copy_param_from_segments(full_data, segments, self.layout.slots[mp.slot])
-                elif full_data.data_ptr() != mp.sharded._local_tensor.data_ptr():
-                    self.devices.copy_to_compute(full_data, mp.sharded._local_tensor)
+                if mp.slot is None:
+                    full_data = self._ensure_full(mp, dtype)
+                    if full_data.data_ptr() != mp.sharded._local_tensor.data_ptr():
+                        self.devices.copy_to_compute(full_data, mp.sharded._local_tensor)
+                elif mp.full is not None and mp.full.requires_grad != mp.trainable:
+                    mp.full.requires_grad_(mp.trainable)
+                    self._hook_full(mp)
                 mp.gathered_version = mp.sharded._version
                 assert mp.full is not None
                 mp.register(mp.full)
@@ -286,8 +362,27 @@ class ShardedUnit:
         self.start_unshard(dtype, async_op=False)
         self.finish_unshard()
 
+    def _full_buffer(self, dtype: torch.dtype) -> _FullBuffer:
+        """The sharded slots' full parameters with storage allocated: built on first use and when the layout, the
+        dtype or a parameter object changed; otherwise the same tensors, their storage resized back."""
+        full = self._full
+        if (
+            full is None
+            or full.layout is not self.layout
+            or full.dtype != dtype
+            or any(mp.full is None for mp in self.params if mp.slot is not None)
+        ):
+            full = self._full = _FullBuffer.build(self.layout, dtype, self.device)
+            for mp in self.params:
+                if mp.slot is not None:
+                    mp.full, mp.full_data = make_full_param(full.param_view(mp.slot), mp.placing, mp.trainable)
+                    mp.full_hooked = False
+                    self._hook_full(mp)
+        full.allocate()
+        return full
+
     def _ensure_full(self, mp: ManagedParam, dtype: torch.dtype) -> torch.Tensor:
-        """The full parameter's ``.data`` with storage allocated (created on first use, resized back after)."""
+        """A kept-whole parameter's full ``.data`` with storage allocated (created on first use, resized back after)."""
         if mp.full is None or mp.full.dtype != dtype:
             if mp.slot is None and dtype == self.shards.dtype and not self.devices.offloaded:
                 local = mp.sharded._local_tensor  # whole: the full parameter aliases it, no copy
@@ -326,8 +421,14 @@ class ShardedUnit:
                 mp.sharded.requires_grad_(mp.full.requires_grad)
             mp.register(mp.sharded)
             full_data = mp.full_data
-            if full_data is not None and full_data.untyped_storage().data_ptr() != mp.sharded._local_tensor.data_ptr():
+            if (
+                mp.slot is None
+                and full_data is not None
+                and full_data.untyped_storage().data_ptr() != mp.sharded._local_tensor.data_ptr()
+            ):
                 full_data.untyped_storage().resize_(0)
+        if self._full is not None:
+            self._full.free()
 
     def reshard_to_group(self) -> None:
         """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest.
@@ -433,6 +534,7 @@ class ShardedUnit:
         new.explicit = False
         new._pending_gather = None
         new._group_block = None
+        new._full = None
         divide_factor = self.grads.divide_factor
         new.grads = UnitGradients(new._reduce_spec(), new.params)
         new.grads.divide_factor = divide_factor

@@ -31,10 +31,10 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
     issued: list[tuple[str, bool]] = []
     original = unit_module.ShardedUnit.start_unshard
 
-    def recording(self: unit_module.ShardedUnit, dtype: torch.dtype, *, async_op: bool) -> None:
+    def recording(self: unit_module.ShardedUnit, dtype: torch.dtype, *, async_op: bool, stream: Any = None) -> None:
         if self.state is UnitState.SHARDED:
             issued.append((units[id(self)], async_op))
-        original(self, dtype, async_op=async_op)
+        original(self, dtype, async_op=async_op, stream=stream)
 
     inputs, targets = synthetic_batch(cfg, 4, 0)
     x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
@@ -136,12 +136,12 @@ def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
     overlapping: list[str] = []
     original = unit_module.ShardedUnit.start_unshard
 
-    def recording(self: unit_module.ShardedUnit, dtype: torch.dtype, *, async_op: bool) -> None:
+    def recording(self: unit_module.ShardedUnit, dtype: torch.dtype, *, async_op: bool, stream: Any = None) -> None:
         if self.state is UnitState.SHARDED:
             issued.append((units[id(self)], async_op))
             if any(u.grads.state is GradState.REDUCE_SCATTERING for u in all_units):
                 overlapping.append(units[id(self)])
-        original(self, dtype, async_op=async_op)
+        original(self, dtype, async_op=async_op, stream=stream)
 
     inputs, targets = synthetic_batch(cfg, 4, 0)
     x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)

@@ -5,7 +5,8 @@ fsdp_compose (1-D mesh, fp32, blocks resharded after forward, the root kept, Ada
 no activation checkpointing), with sizes in closed form. Notation (elements; fp32 = 4 bytes each): ``N = batch x
 seq`` tokens, ``D`` width, ``F = mlp_ratio x D``, ``H`` heads, ``V`` vocabulary, ``P`` the learned positions,
 ``S`` shard-group size. Per unit ``u``: ``seg_u`` the padded segment (analytic.py), ``T_u`` its trainable
-parameters, ``full_u`` its unsharded elements; all-gather buffer ``S seg_u``, reduce-scatter input
+parameters, ``full_u`` its unsharded elements (its full gradients); full parameters and all-gather buffer
+``S seg_u`` each (the full parameters live in one padded buffer, see unit.py), reduce-scatter input
 ``S (seg_u + T_u)`` and output ``seg_u + T_u``.
 
 Activations one block keeps for backward: ``A = 16 N D + H N + 4 N`` (LayerNorm inputs and outputs, the qkv
@@ -82,7 +83,8 @@ class _Gpt:
 
 @dataclass(frozen=True)
 class _Unit:
-    full: int
+    full: int  # unsharded elements: the full gradients
+    gathered: int  # S * seg: the full parameters live in one padded buffer (each slot S x its padded shard)
     gather: int  # S * seg
     rs_in: int  # S * (seg + T)
     rs_out: int  # seg + T
@@ -101,7 +103,7 @@ def _forward(s: _Schedule, m: _Gpt, blocks: Sequence[_Unit], root: _Unit) -> Non
     n, d, f, h, v = m.n, m.d, m.f, m.h, m.v
     s.begin("forward")
     s.add(AG, root.gather)  # root pre-forward: all-gather, copy out, free the buffer
-    s.add(GATHERED, root.full)
+    s.add(GATHERED, root.gathered)
     s.free(AG, root.gather)
     if blocks:
         s.add(AG, blocks[0].gather)  # prefetch of the first block
@@ -109,7 +111,7 @@ def _forward(s: _Schedule, m: _Gpt, blocks: Sequence[_Unit], root: _Unit) -> Non
     s.add(ACT, n * d)  # x0 = embedding + positions
     s.free(ACT, n * d)
     for i, block in enumerate(blocks):
-        s.add(GATHERED, block.full)  # copy out of the (prefetched) all-gather
+        s.add(GATHERED, block.gathered)  # copy out of the (prefetched) all-gather
         s.free(AG, block.gather)
         if i + 1 < len(blocks):
             s.add(AG, blocks[i + 1].gather)  # prefetch of the next block
@@ -125,7 +127,7 @@ def _forward(s: _Schedule, m: _Gpt, blocks: Sequence[_Unit], root: _Unit) -> Non
         s.add(ACT, n * d)  # mlp projection (transient)
         s.add(ACT, n * d)  # x2
         s.free(ACT, n * d)
-        s.free(GATHERED, block.full)  # reshard after forward
+        s.free(GATHERED, block.gathered)  # reshard after forward
     s.add(ACT, n * d + 2 * n)  # ln_f
     s.add(ACT, n * v)  # logits
     s.add(ACT, 2 * n)  # targets made contiguous (int64)
@@ -197,12 +199,12 @@ def _backward(s: _Schedule, m: _Gpt, blocks: Sequence[_Unit], root: _Unit) -> No
     in_flight: _Unit | None = None
     for i in reversed(range(len(blocks))):
         block = blocks[i]
-        s.add(GATHERED, block.full)  # copy out of the prefetched all-gather
+        s.add(GATHERED, block.gathered)  # copy out of the prefetched all-gather
         s.free(AG, block.gather)
         if i > 0:
             s.add(AG, blocks[i - 1].gather)
         _block_backward(s, m)
-        s.free(GATHERED, block.full)  # reshard after backward
+        s.free(GATHERED, block.gathered)  # reshard after backward
         if in_flight is not None:
             s.free(RS_IN, in_flight.rs_in)  # the previous reduce-scatter is waited for
         s.add(RS_IN, block.rs_in)  # gradients copied into the reduce-scatter input ...
@@ -216,7 +218,7 @@ def _backward(s: _Schedule, m: _Gpt, blocks: Sequence[_Unit], root: _Unit) -> No
     s.free(TEMP, n * d)  # grad of x0
     if in_flight is not None:
         s.free(RS_IN, in_flight.rs_in)
-    s.free(GATHERED, root.full)  # the root reshards after backward
+    s.free(GATHERED, root.gathered)  # the root reshards after backward
     s.add(RS_IN, root.rs_in)
     s.free(GRAD, root.full)
     s.add(RS_OUT, root.rs_out)
@@ -285,7 +287,8 @@ def peak_model(config: PlanConfig, record: StepRecord) -> PeakModel | None:
         flags = sum(1 for p in infos if p.trainable)
         full = sum(_prod(p.shape) for p in infos)
         gather = shards * seg if shards > 1 else 0
-        return _Unit(full=full, gather=gather, rs_in=shards * (seg + flags) if shards > 1 else 0, rs_out=seg + flags)
+        rs_in = shards * (seg + flags) if shards > 1 else 0
+        return _Unit(full=full, gathered=shards * seg, gather=gather, rs_in=rs_in, rs_out=seg + flags)
 
     units = record.unit_params
     blocks = [unit(units[f"blocks.{i}"]) for i in range(m.layers)]

@@ -1,0 +1,217 @@
+"""Where the host waits for the device: only at the end of backward, and only through an event.
+
+On a CPU device nothing is pending, so ``fsdp_compose.streams.record_event`` returns None; these tests substitute a
+recording event to check, through the same code as on an accelerator, that every device-to-host read of a backward
+(the "had a gradient" flags of a rank that lacked one, the offloaded gradients) is covered by an event that is
+waited for once, in the final callback. Casts under offload plus mixed precision happen on the compute device, and
+inputs move to the device with a blocking copy, as DDP moves them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fsdp_compose as fc
+import fsdp_compose.grads as grads_module
+from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
+from fsdp_compose.step import StepContext
+from tests.dist_utils import full_value, local_batch, mesh_1d, reference_and_copy, shard_gpt
+
+SGD_TOL = 1e-5
+
+
+class _Branchy(nn.Module):
+    """Every rank runs ``extra`` (its all-gather must match), only rank 0's loss uses it: the other ranks lack its
+    gradient and must read the flags to know that some rank had one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.extra = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        y = self.body(x)
+        extra = self.extra(x)
+        return y + extra if use_extra else y
+
+
+class _RecordingEvent:
+    def __init__(self, log: list[tuple[str, bool]], where: dict[str, bool]) -> None:
+        self.log, self.where = log, where
+        log.append(("record", where["final"]))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.where["final"]))
+
+
+def _with_recording_events(run: Any) -> list[tuple[str, bool]]:
+    """Run ``run()`` with recording events; returns (what, inside the final callback) per event call."""
+    log: list[tuple[str, bool]] = []
+    where = {"final": False}
+    real_record, real_final = grads_module.record_event, StepContext._final_callback
+
+    def final(self: StepContext) -> None:
+        where["final"] = True
+        try:
+            real_final(self)
+        finally:
+            where["final"] = False
+
+    grads_module.record_event = lambda device: _RecordingEvent(log, where)  # type: ignore[assignment,return-value]
+    StepContext._final_callback = final  # type: ignore[method-assign]
+    try:
+        run()
+    finally:
+        grads_module.record_event = real_record
+        StepContext._final_callback = real_final  # type: ignore[method-assign]
+    return log
+
+
+def _missing_flags(rank: int, ws: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _Branchy()
+    reference = copy.deepcopy(model)
+    fc.fully_shard(model.extra, mesh=mesh_1d(ws))
+    fc.fully_shard(model, mesh=mesh_1d(ws))
+    x = torch.randn(2 * ws, 6)
+    # the reference: rank 0's rows through body + extra, the others' through body only (summed losses / ws)
+    parts = x.chunk(ws)
+    ref_loss = sum(reference(p, use_extra=r == 0).square().sum() for r, p in enumerate(parts)) / ws
+    ref_loss.backward()
+
+    def step() -> None:
+        model(parts[rank], use_extra=rank == 0).square().sum().backward()
+
+    log = _with_recording_events(step)
+    diffs = [
+        (full_value(p.grad) - q.grad).abs().max().item()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    ]
+    return {"log": log, "diff": max(diffs)}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_flag_reads_wait_for_an_event_in_the_final_callback(run_dist, ws: int) -> None:
+    for rank, result in enumerate(run_dist(ws, _missing_flags)):
+        log = result["log"]
+        if rank == 0:
+            assert log == []  # it had every gradient: nothing to read, nothing to wait for
+        else:
+            # one delivery (the unit that owns ``extra``) reads flags: one event, waited for once, at the end of
+            # backward
+            assert [what for what, _ in log] == ["record", "synchronize"] and log[1][1], log
+        assert result["diff"] <= SGD_TOL
+
+
+def _offloaded(rank: int, ws: int) -> dict[str, Any]:
+    cfg = GPTConfig()
+    reference, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws), offload_policy=fc.CPUOffloadPolicy())
+    inputs, targets = synthetic_batch(cfg, 4, 0)
+    loss_fn(reference(inputs), targets).backward()
+    x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
+    log = _with_recording_events(lambda: loss_fn(model(x), y).backward())
+    diffs = [
+        (full_value(p.grad) - q.grad).abs().max().item()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    ]
+    return {"log": log, "units": len(model.blocks) + 1, "diff": max(diffs)}
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_offloaded_gradient_copies_wait_for_events_in_the_final_callback(run_dist, ws: int) -> None:
+    for result in run_dist(ws, _offloaded):
+        records = [inside for what, inside in result["log"] if what == "record"]
+        waits = [inside for what, inside in result["log"] if what == "synchronize"]
+        assert len(records) == len(waits) == result["units"]  # one device-to-host copy per unit, each waited for
+        assert not all(records)  # the blocks' copies start during backward, before the final callback
+        assert all(waits)  # and the host waits for none of them before it
+        assert result["diff"] <= SGD_TOL
+
+
+class _CopiesFrom(TorchDispatchMode):
+    """Every copy or conversion whose source is one of ``sources`` (storages): (source dtype, result dtype)."""
+
+    def __init__(self, sources: set[int]) -> None:
+        super().__init__()
+        self.sources = sources
+        self.seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if src.untyped_storage().data_ptr() in self.sources:
+                self.seen.append((src.dtype, out.dtype))
+        return out
+
+
+class _Tempered(nn.Module):
+    """A GPT block stack with a 0-dim temperature: a parameter kept whole (copied, not all-gathered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.temperature
+
+
+def _offload_casts(rank: int, ws: int) -> list[tuple[str, str]]:
+    torch.manual_seed(0)
+    model = _Tempered()
+    policy = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fc.fully_shard(model, mesh=mesh_1d(ws), mp_policy=policy, offload_policy=fc.CPUOffloadPolicy())
+    unit = fc.get_state(model).unit
+    sources = {unit.flat.untyped_storage().data_ptr()}
+    sources |= {mp.sharded._local_tensor.untyped_storage().data_ptr() for mp in unit.params if mp.slot is None}
+    mode = _CopiesFrom(sources)
+    with mode:
+        model(torch.randn(2, 8)).sum().backward()
+    return [(str(a), str(b)) for a, b in mode.seen]
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_offload_with_mixed_precision_casts_on_the_compute_device(run_dist, ws: int) -> None:
+    for seen in run_dist(ws, _offload_casts):
+        # the flat shard and the kept-whole temperature each leave host memory once, in their own dtype
+        assert seen == [("torch.float32", "torch.float32")] * 2, seen
+
+
+class _Copies(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.non_blocking: list[bool] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._to_copy.default:
+            self.non_blocking.append(bool((kwargs or {}).get("non_blocking", False)))
+        return func(*args, **(kwargs or {}))
+
+
+def _input_copies(rank: int, ws: int) -> list[bool]:
+    model = nn.Linear(4, 4)
+    fc.fully_shard(model, mesh=mesh_1d(ws))
+    ctx = fc.get_state(model).ctx
+    assert ctx is None
+    model(torch.randn(2, 4))  # lazy init builds the step context
+    ctx = fc.get_state(model).ctx
+    assert ctx is not None
+    # The CPU root copies nothing; moving to another device (meta stands in for an accelerator) must block.
+    ctx.root.device = torch.device("meta")
+    mode = _Copies()
+    with mode:
+        moved = ctx._to_device(torch.randn(2, 4))
+    assert moved.device.type == "meta"
+    return mode.non_blocking
+
+
+def test_inputs_move_with_a_blocking_copy(run_dist) -> None:
+    assert run_dist(1, _input_copies) == [[False]]

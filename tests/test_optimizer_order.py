@@ -16,7 +16,7 @@ import torch
 
 import fsdp_compose as fc
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
-from tests.dist_utils import local_batch, make_optimizer, max_param_diff, mesh_1d, reference_and_copy, shard_gpt
+from tests.dist_utils import local_batch, mesh_1d, reference_and_copy, shard_gpt, train_pair
 
 
 def _one_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, ws: int, cfg: GPTConfig) -> None:
@@ -64,21 +64,12 @@ def _optimizer_after(rank: int, ws: int) -> dict[str, Any]:
     cfg = GPTConfig(n_layers=2)
     reference, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws))
-    opt = make_optimizer("sgd")(model.parameters())
-    ref_opt = make_optimizer("sgd")(reference.parameters())
-    for step in range(3):
-        inputs, targets = synthetic_batch(cfg, 4, step)
-        ref_opt.zero_grad()
-        loss_fn(reference(inputs), targets).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
-        opt.step()
+    diff = train_pair(rank, ws, model, reference, cfg, steps=3)  # the optimizer is built after fully_shard
     # nobody holds the replaced parameters (the check at the end of the next backward drops their references)
     gc.collect()
     refs = [ref for m in [*model.blocks, model] for _, ref in fc.get_state(m).unit.shards.replaced.refs]
     left = sum(ref() is not None for ref in refs)
-    return {"diff": max_param_diff(model, reference), "left": left}
+    return {"diff": diff, "left": left}
 
 
 @pytest.mark.parametrize("ws", [1, 2, 4])

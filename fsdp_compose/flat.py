@@ -168,7 +168,8 @@ class FlatShard:
             self._installed(mp)
         for _, p, _ in params:
             setattr(p, MOVED_ATTR, owner_name)
-        self.replaced = ReplacedParams(owner_name, [(fqn, p) for fqn, p, _ in params])
+        originals = [(mp.fqn, mp.original) for mp in self.params if mp.original is not None]
+        self.replaced = ReplacedParams(owner_name, originals)
 
     def kept_whole(self, ndim: int, trainable: bool) -> bool:
         return ndim == 0 or (self.frozen_params == "replicate" and not trainable)

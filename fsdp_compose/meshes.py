@@ -141,6 +141,18 @@ def dp_mesh_from_dims(mesh: DeviceMesh, dims: DataParallelMeshDims, owner: str) 
     return DeviceMesh._concatenate([one_dim(replicate), one_dim(shard)])
 
 
+def _check_composable_dtensor(fqn: str, param: DTensor, owner: str, what: str, zero_dim_fix: str) -> None:
+    """A DTensor parameter fully_shard can shard further: Shard(dim) / Replicate() placements, at least 1-D."""
+    for placement in param.placements:
+        if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, _StridedShard):
+            raise ValueError(
+                f"parameter '{fqn}' of {owner} has {what} {placement}; fully_shard composes with Shard(dim) and "
+                "Replicate() parameters"
+            )
+    if param.ndim == 0:
+        raise ValueError(f"parameter '{fqn}' of {owner} is a 0-dim DTensor; {zero_dim_fix}")
+
+
 def spmd_param_placing(
     fqn: str, param: nn.Parameter, mesh: DeviceMesh, dims: DataParallelMeshDims, owner: str, shard_dim: int = 0
 ) -> ParamPlacing:
@@ -169,14 +181,7 @@ def spmd_param_placing(
                 f"fully_shard on {owner} with dp_mesh_dims: parameter '{fqn}' has placement {placement!r} on "
                 f"data-parallel mesh dim {name!r}; it must be Replicate() there (fully_shard shards it)"
             )
-    for placement in param.placements:
-        if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, _StridedShard):
-            raise ValueError(
-                f"parameter '{fqn}' of {owner} has placement {placement}; fully_shard composes with Shard(dim) and "
-                "Replicate() parameters"
-            )
-    if param.ndim == 0:
-        raise ValueError(f"parameter '{fqn}' of {owner} is a 0-dim DTensor; keep it a plain tensor or a buffer")
+    _check_composable_dtensor(fqn, param, owner, "placement", "keep it a plain tensor or a buffer")
     positions = tuple((names.index(n), "replicate") for n in dims.replicate_names)
     positions += ((names.index(dims.shard_names[0]), "shard"),)
     return ParamPlacing(
@@ -307,14 +312,7 @@ def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str
             f"mesh with the data-parallel mesh {dp_names or dp_mesh}; build both from one "
             'init_device_mesh(..., mesh_dim_names=("dp", "tp")) and pass mesh["dp"] to fully_shard'
         )
-    for placement in param.placements:
-        if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, _StridedShard):
-            raise ValueError(
-                f"parameter '{fqn}' of {owner} has tensor-parallel placement {placement}; fully_shard composes with "
-                "Shard(dim) and Replicate() parameters"
-            )
-    if param.ndim == 0:
-        raise ValueError(f"parameter '{fqn}' of {owner} is a 0-dim DTensor; keep it out of tensor parallel")
+    _check_composable_dtensor(fqn, param, owner, "tensor-parallel placement", "keep it out of tensor parallel")
     spmd_mesh = root[tuple(dp_names) + tuple(tp_names)]
     return ParamPlacing(
         param.shape,

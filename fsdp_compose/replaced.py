@@ -41,11 +41,11 @@ class _ReplacedParameterGrad(torch.Tensor):
 
 
 class ReplacedParams:
-    """Weak references to the user's parameters one unit replaced, with their names."""
+    """Weak references to the user's parameters one unit replaced (the units' own, ``ManagedParam.original``)."""
 
-    def __init__(self, owner_name: str, replaced: Iterable[tuple[str, nn.Parameter]]) -> None:
+    def __init__(self, owner_name: str, refs: Iterable[tuple[str, weakref.ref[nn.Parameter]]]) -> None:
         self.owner_name = owner_name
-        self.refs = [(fqn, weakref.ref(param)) for fqn, param in replaced]
+        self.refs = list(refs)
 
     def arm(self) -> None:
         """Give each replaced parameter still alive a ``.grad`` that raises; forget the ones that are gone.

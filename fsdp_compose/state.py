@@ -250,8 +250,9 @@ class ShardState:
             # cursor's turn: a recompute that re-gathered as a forward would reshard after it, and gather again
             # at the pre-backward, an all-gather after this rank's last scheduled one.
             if self.phase is UnitPhase.AWAITING_BACKWARD:
-                self._begin_unit_backward()
-            self.gather_now()
+                self._begin_unit_backward()  # gathers it
+            else:
+                self.gather_now()
             return self._cast_inputs(module, args, kwargs, self.compute_dtype(module))
         if self.root is None:
             self.lazy_init()

@@ -259,22 +259,31 @@ class StepContext:
                 self.reducing.append(state)
             self.next_reduction += 1
 
-    def issue_remaining_gathers(self, *, free: bool) -> None:
-        """Issue the backward all-gathers that no pre-backward reached on this rank (final callback and abort).
+    def _complete_collective_order(self, *, run_post_backward: bool) -> None:
+        """Issue and wait for the rest of this backward's collectives, in the order every rank follows.
 
-        A later unit's pre-backward passes the cursor over a unit whose output missed this rank's loss, but nothing
-        passes the last units in backward order, and a backward that raised stopped the cursor wherever it was.
-        Other ranks gathered those units, so this rank issues the same all-gathers, with the same prefetches, in
-        the same order. Nothing here needs the results: with ``free`` each unit is resharded as soon as the cursor
-        has passed it, so at most a unit and its prefetch are gathered at a time.
+        The final callback and an aborted step share it, so both end at the same point on every rank. First the
+        backward all-gathers no pre-backward reached here: a later unit's pre-backward passes the cursor over a unit
+        whose output missed this rank's loss, but nothing passes the last units in backward order, and a backward
+        that raised stopped the cursor wherever it was. Other ranks gathered those units, so this rank issues the
+        same all-gathers, with the same prefetches, in the same order; nothing here needs the results, so each unit
+        that keeps nothing after backward is resharded as soon as the cursor has passed it. Then (final callback
+        only) the post-backward of units whose hook never fired, then every reduce-scatter left, then the waits.
         """
         while self.gather_cursor < len(self.backward_order):
             passed = self.backward_order[self.gather_cursor]
             self.gather_cursor += 1
             passed.start_gather(async_op=True)
             self._prefetch_after(passed)
-            if free and not passed.in_backward_phase:
+            if not passed.in_backward_phase and not self._keeps_after_backward(passed):
                 passed.unit.reshard()
+        if run_post_backward:
+            for state in reversed(self.states):
+                if state.post_backward_pending:
+                    state.post_backward()
+        self.issue_reductions_in_order(final=True)
+        for state in reversed(self.states):
+            state.unit.grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
 
     def _keeps_after_backward(self, state: ShardState) -> bool:
         return not state.reshard_after_backward and not state.requires_gradient_sync
@@ -289,13 +298,7 @@ class StepContext:
         stale (an update through ``.data`` bumps no version counter to tell).
         """
         with labelled("fsdp_compose::final_callback"):
-            self.issue_remaining_gathers(free=not any(map(self._keeps_after_backward, self.states)))
-            for state in reversed(self.states):
-                if state.post_backward_pending:
-                    state.post_backward()
-            self.issue_reductions_in_order(final=True)
-            for state in reversed(self.states):
-                state.unit.grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
+            self._complete_collective_order(run_post_backward=True)
             for state in reversed(self.states):
                 grads = state.unit.grads
                 grads.settle()  # the one point where the host waits for device-to-host copies of gradients
@@ -333,10 +336,7 @@ class StepContext:
                 if mp.full is not None:
                     mp.full.grad = None  # partial; the reductions below carry zeros in their place
         if self.phase is StepPhase.BACKWARD:
-            self.issue_remaining_gathers(free=True)
-            self.issue_reductions_in_order(final=True)
-            for state in reversed(self.states):
-                state.unit.grads.finish()
+            self._complete_collective_order(run_post_backward=False)  # partial gradients: no post-backward
         for state in self.states:
             state.unit.grads.discard()
             if state.unit.state is not UnitState.SHARDED:

@@ -115,7 +115,8 @@ class BackwardPass:
     gather_order: list[ShardState]  # the schedule's gather order, participants only
     reduce_order: list[ShardState]  # the schedule's reduce order, participants only
     reached_here: set[int]  # ids of participants this rank's backward runs
-    awaiting: dict[int, int]  # id -> post-backward hooks still to fire here before its gradients are complete
+    awaiting: dict[int, int]  # id -> post-backward hooks still to fire here (-1: only the final callback knows)
+    consumed: set[int]  # ids of the entries (forward calls) this backward runs: dropped at its end
     gather_cursor: int = 0
     reduce_cursor: int = 0
     done: set[int] = field(default_factory=set)  # ids finished here (gradients staged or accumulated)
@@ -164,12 +165,12 @@ def agree_on_backward(
     for group in groups:
         all_reduce_max(values, group)
     result = values.tolist()
-    if checks and result[n + world] != -result[n + world + 1]:
+    quitting = [rank for rank in range(world) if result[n + rank]]
+    if checks and not quitting and result[n + world] != -result[n + world + 1]:
         raise RuntimeError(
             f"fsdp_compose collective check: the ranks' collective schedules under {root.unit.owner_name} differ at "
             "the start of a backward (units, trainable parameters, sync or reshard settings); every rank must make "
             "the same changes at the same step. fc.describe_schedule(model) on each rank shows what differs"
         )
     participants = [bool(v) for v in result[:n]]
-    quitting = [rank for rank in range(world) if result[n + rank]]
     return participants, quitting

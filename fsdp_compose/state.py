@@ -91,9 +91,11 @@ class _Entry:
         self.pre: weakref.ref[Any] | None = None
         self.post: weakref.ref[Any] | None = None
 
-    def runs_in_this_backward(self) -> bool:
+    def runs_in_this_backward(self, running: object = None) -> bool:
+        """``running``: the node whose backward is running now (autograd does not count a backward's own root
+        node among those it will execute)."""
         node = self.pre() if self.pre is not None else None
-        return node is not None and bool(torch._C._will_engine_execute_node(node))
+        return node is not None and (node is running or bool(torch._C._will_engine_execute_node(node)))
 
     def post_backward_runs(self) -> bool:
         node = self.post() if self.post is not None else None
@@ -112,7 +114,7 @@ class _PreBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.pre_backward()
+        ctx.state.pre_backward(ctx)
         return (None, *grads)
 
 
@@ -423,14 +425,14 @@ class ShardState:
 
     # ------------------------------------------------------------------ backward
     @_outside_compile
-    def pre_backward(self) -> None:
+    def pre_backward(self, node: object = None) -> None:
         with labelled(f"fsdp_compose::pre_backward[{self.unit.owner_name}]"):
             check_not_compiled_autograd(self.unit.owner_name)
             ctx = self.root_ctx
             if ctx is None:
                 self.gather_now()
                 return
-            ctx.begin_backward()
+            ctx.begin_backward(node)
             ctx.gather_for_backward(self)
 
     @_outside_compile

@@ -163,13 +163,18 @@ class StepContext:
         self.phase = StepPhase.AWAITING_BACKWARD if pending else StepPhase.IDLE
 
     # ------------------------------------------------------------------ backward
-    def begin_backward(self) -> None:
-        """The first pre-backward of a backward: agree on its participants, queue the final callback."""
+    def begin_backward(self, running: object = None) -> None:
+        """The first pre-backward of a backward (``running``: its node): agree on its participants, queue the final
+        callback."""
         if self.backward is not None:
             return
-        reached = [any(entry.runs_in_this_backward() for entry in state.entries) for state in self.states]
+        reached = [any(entry.runs_in_this_backward(running) for entry in state.entries) for state in self.states]
         checks = any(state.collective_checks for state in self.states)
-        participants, quitting = agree_on_backward(self.schedule, reached, abandoning=False, checks=checks)
+        try:
+            participants, quitting = agree_on_backward(self.schedule, reached, abandoning=False, checks=checks)
+        except RuntimeError:
+            self.abandon(agreed=True)  # every rank raises here: nothing of this backward was issued
+            raise
         if quitting:
             self.abandon(agreed=True)
             raise StepAbandoned(
@@ -179,17 +184,21 @@ class StepContext:
             )
         takes_part = {id(s) for s, p in zip(self.states, participants, strict=True) if p}
         here = {id(s) for s, r in zip(self.states, reached, strict=True) if r}
-        awaiting = {
-            id(s): sum(1 for e in s.entries if e.runs_in_this_backward() and e.post_backward_runs())
-            for s in self.states
-            if id(s) in here
-        }
+        # Post-backward hooks each participant waits for here. A call whose inputs need no gradient has none (its
+        # backward's end is not observable): such a unit finishes in the final callback.
+        awaiting: dict[int, int] = {}
+        for state in self.states:
+            if id(state) in here:
+                calls = [e for e in state.entries if e.runs_in_this_backward(running)]
+                observable = all(e.post_backward_runs() for e in calls)
+                awaiting[id(state)] = len(calls) if observable else -1
         self.backward = BackwardPass(
             task=int(torch._C._current_graph_task_id()),
             gather_order=[s for s in self.schedule.gather_order if id(s) in takes_part],
             reduce_order=[s for s in self.schedule.reduce_order if id(s) in takes_part],
             reached_here=here,
             awaiting=awaiting,
+            consumed={id(e) for s in self.states for e in s.entries if e.runs_in_this_backward(running)},
         )
         self.phase = StepPhase.BACKWARD
         self.draining = self.gradients_held and any(s.reduces_now for s in self.backward.gather_order)
@@ -249,9 +258,11 @@ class StepContext:
         bp = self.backward
         if bp is None or id(state) in bp.done or not bp.takes_part(state):
             return
-        left = bp.awaiting.get(id(state), 0) - 1
-        bp.awaiting[id(state)] = left
-        if left <= 0:
+        left = bp.awaiting.get(id(state), 0)
+        if left < 0:
+            return  # finishes in the final callback
+        bp.awaiting[id(state)] = left - 1
+        if left - 1 <= 0:
             self._finish_unit(state)
             self.issue_reductions()
 
@@ -395,7 +406,7 @@ class StepContext:
                 state.kept_unsharded = keep and state.unit.state is UnitState.UNSHARDED
                 # The calls this backward ran are consumed; calls it did not run wait for a later backward (a
                 # chunked loss runs the head's backward once per chunk, then the body's).
-                state.entries = [e for e in state.entries if not e.runs_in_this_backward()]
+                state.entries = [e for e in state.entries if id(e) not in bp.consumed]
                 state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
             self.gradients_held = any(state.unit.grads.state is GradState.ACCUMULATING for state in self.states)
             self.draining = False

@@ -330,8 +330,9 @@ class StepContext:
         self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
 
     def make_room(self) -> None:
-        """Before a new reduce-scatter input is allocated: at most ``max_reduce_inputs`` others may stay alive
-        (``set_reduce_scatter_max_input_buffers``; default one).
+        """Before a new reduce-scatter input is filled: fewer than ``max_reduce_inputs`` others may stay alive
+        (``set_reduce_scatter_max_input_buffers``, FSDP2's meaning; default 1: the previous reduce-scatter completes
+        before the next input is filled, so one input is alive at a time).
 
         The oldest in flight completes first. On an accelerator a wait only orders streams, so it always waits. On a
         CPU device a wait blocks the host: it blocks only once this rank has issued every all-gather of the
@@ -342,7 +343,7 @@ class StepContext:
         bp = self.backward
         blocking = self.root.device.type != "cpu" or bp is None or not bp.gathers_left
         deadline = time.monotonic() + _POLL_SECONDS
-        while len(self.reducing) > limit:
+        while len(self.reducing) >= limit:
             oldest = self.reducing[0]
             grads = oldest.unit.grads
             if blocking:

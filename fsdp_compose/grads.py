@@ -346,7 +346,7 @@ class UnitGradients:
         output = torch.empty(self.layout.segment_numel + self.tail, dtype=spec.reduce_dtype, device=spec.device)
         hook = spec.extensions.reduce_scatter
         work: Work | None = None
-        with labelled("fsdp_compose::reduce_scatter"):
+        with labelled(f"fsdp_compose::reduce_scatter[{self.spec.owner_name}]"):
             if hook is not None:
                 hook(output, buffer.view(-1), spec.reduce_group)
             elif spec.dp.shard_size == 1:
@@ -370,7 +370,7 @@ class UnitGradients:
     def _wait_reduce_scatter(self, flight: _InFlight) -> None:
         if flight.buffer is not None:
             assert flight.work is not None
-            with labelled("fsdp_compose::reduce_scatter_wait"):
+            with labelled(f"fsdp_compose::reduce_scatter_wait[{self.spec.owner_name}]"):
                 flight.work.wait()
             flight.work = None
             flight.buffer = None  # the reduce-scatter input is free now
@@ -406,7 +406,7 @@ class UnitGradients:
             self.replica_partial = None
             flight.missing_locally = True  # the flags then count every micro-batch: read them
         all_reduce_hook = self.spec.extensions.all_reduce
-        with labelled("fsdp_compose::all_reduce"):
+        with labelled(f"fsdp_compose::all_reduce[{self.spec.owner_name}]"):
             if all_reduce_hook is not None:
                 flight.work = all_reduce_hook(flight.output, replicas)
             else:
@@ -423,13 +423,13 @@ class UnitGradients:
         assert flight is not None
         self._wait_reduce_scatter(flight)
         if flight.work is not None:
-            with labelled("fsdp_compose::all_reduce_wait"):
+            with labelled(f"fsdp_compose::all_reduce_wait[{self.spec.owner_name}]"):
                 flight.work.wait()
         self.flight = None
         self._to(GradState.IDLE)
         if self.dropping:
             return
-        with labelled("fsdp_compose::deliver_gradients"):
+        with labelled(f"fsdp_compose::deliver_gradients[{self.spec.owner_name}]"):
             self._deliver(flight)
 
     def _deliver(self, flight: _InFlight) -> None:

@@ -19,7 +19,12 @@ __all__ = ["map_tensors", "tensors_in"]
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    map_tensors(lambda t: found.append(t) or t, value)
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        found.append(tensor)
+        return tensor
+
+    map_tensors(note, value)
     return found
 
 

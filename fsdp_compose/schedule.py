@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from .collectives import all_reduce_max
 
@@ -164,6 +165,10 @@ def agree_on_backward(
     values[n + world + 1] = -fingerprint
     for group in groups:
         all_reduce_max(values, group)
+    if is_fake(values):
+        # The planner simulates one rank of identical ones (FakeTensorMode, fake process group): what this rank
+        # runs is what every rank runs.
+        return reached, [me] if abandoning else []
     result = values.tolist()
     quitting = [rank for rank in range(world) if result[n + rank]]
     if checks and not quitting and result[n + world] != -result[n + world + 1]:

@@ -233,14 +233,14 @@ class StepContext:
     def _issue_backward_gather(self, passed: ShardState, *, now: bool) -> None:
         bp = self.backward
         assert bp is not None
-        if id(passed) not in bp.gathered:
+        if now:
+            # Copied out before its prefetch is issued: the prefetch's output then never coexists with this unit's
+            # all-gather output and full parameters (the same all-gathers, in the same order).
             bp.gathered.add(id(passed))
-            if now:
-                # Copied out before its prefetch is issued: the prefetch's output then never coexists with this
-                # unit's all-gather output and full parameters (the same all-gathers, in the same order).
-                passed.gather_now()
-            else:
-                passed.start_gather(async_op=True)
+            passed.gather_now()
+        elif id(passed) not in bp.gathered:
+            bp.gathered.add(id(passed))
+            passed.start_gather(async_op=True)
         if passed.backward_prefetch is not None:
             targets = [t for t in passed.backward_prefetch if bp.takes_part(t)]
         elif self.draining:
@@ -315,10 +315,7 @@ class StepContext:
             if state.reduces_now and grads.trainable:
                 if grads.state is not GradState.STAGED:
                     grads.stage()
-                with labelled(f"fsdp_compose::reduce_scatter[{state.unit.owner_name}]"):
-                    grads.reduce(
-                        all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync
-                    )
+                grads.reduce(all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync)
                 if grads.state is GradState.REDUCE_SCATTERING:
                     self.reducing.append(state)
             bp.reduce_cursor += 1

@@ -292,7 +292,7 @@ class ShardedUnit:
             stream = None  # an extension's encode decides the collective's size: it runs on the compute stream
         # Allocated on the compute stream, which frees it after the copy-out (the rule in streams.py).
         gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device) if gathers else None
-        with labelled("fsdp_compose::all_gather"), issued_on(stream, self.device):
+        with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"), issued_on(stream, self.device):
             if cast_in_place:
                 # Cast straight into this rank's segment of the output and all-gather in place (the input is a view
                 # of the output): no separate low-precision copy of the shard lives next to the output while it
@@ -321,7 +321,7 @@ class ShardedUnit:
         """All-gather the post-forward blocks within the group of k ranks: all ``W`` segments, in order."""
         assert self.post_forward is not None
         gathered = torch.empty(self.world_size * self.layout.segment_numel, dtype=block.dtype, device=block.device)
-        with labelled("fsdp_compose::all_gather"):
+        with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"):
             work = all_gather_flat(gathered, block.view(-1), self.post_forward.group, async_op=async_op)
         self._pending_gather = _PendingGather(work, gathered, block, encoded=False)
         self._to(UnitState.GATHERING)
@@ -334,10 +334,10 @@ class ShardedUnit:
         pending, self._pending_gather = self._pending_gather, None
         wait_for(pending.issued, self.device)
         if pending.work is not None:
-            with labelled("fsdp_compose::all_gather_wait"):
+            with labelled(f"fsdp_compose::all_gather_wait[{self.owner_name}]"):
                 pending.work.wait()
         dtype = self.compute_dtype
-        with labelled("fsdp_compose::all_gather_copy_out"):
+        with labelled(f"fsdp_compose::all_gather_copy_out[{self.owner_name}]"):
             gathered = pending.output
             transform = self.extensions.all_gather
             if pending.encoded and transform is not None:

@@ -42,14 +42,16 @@ def _assets() -> Path:
 
 
 @functools.cache
-def _run(variant: str, workdir: Path) -> list[dict[str, Any]]:
-    """One trainer run; returns rank 0's steps after checking every rank logged and counted the same."""
+def _run(variant: str, workdir: Path) -> tuple[list[dict[str, Any]], int]:
+    """One trainer run: rank 0's steps (logged loss and grad norm, collectives) and the loss's chunk count, after
+    checking every rank logged and counted the same."""
     ranks = run_script("torchtitan_trainer_run.py", variant, *ARGS, cwd=workdir)
     assert all(records == ranks[0] for records in ranks), ranks
     logged = [r for r in ranks[0] if "step" in r]
     counted = [r["collectives"] for r in ranks[0] if "collectives" in r]
+    (chunks,) = [r["loss_chunks"] for r in ranks[0] if "loss_chunks" in r]
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1)) and len(counted) == STEPS, ranks[0]
-    return [{**log, **counts} for log, counts in zip(logged, counted, strict=True)]
+    return [{**log, **counts} for log, counts in zip(logged, counted, strict=True)], chunks
 
 
 @pytest.fixture(scope="module")
@@ -66,31 +68,40 @@ def _column(steps: list[dict[str, Any]], key: str) -> list[Any]:
 
 
 def test_trainer_matches_torch_fully_shard(run: Any) -> None:
-    torch_steps, fc_steps = run("torch"), run("fc")
+    (torch_steps, chunks), (fc_steps, _) = run("torch"), run("fc")
+    assert chunks > 1  # the default loss is the chunked cross-entropy
     for key in ("loss", "grad_norm"):
         assert _column(fc_steps, key) == pytest.approx(_column(torch_steps, key), rel=1e-5, abs=1e-5), key
-    for key in ("all_gather", "reduce_scatter", "all_reduce"):
+    for key in ("all_gather", "reduce_scatter"):
         assert _column(fc_steps, key) == _column(torch_steps, key), key
+    # fsdp_compose agrees on each backward's participants across ranks with one small all-reduce per backward call:
+    # one per loss chunk and one for the decoder, at most (torch's all-reduces are the trainer's own).
+    ours, theirs = _column(fc_steps, "all_reduce"), _column(torch_steps, "all_reduce")
+    extra = [a - b for a, b in zip(ours, theirs, strict=True)]
+    assert all(0 <= n <= chunks + 1 for n in extra), extra
 
 
 def test_without_the_division_guard_gradients_are_averaged(run: Any) -> None:
     """``disable_fsdp_gradient_division`` skips fsdp_compose's units: gradients averaged over the 2 ranks instead of
-    summed (torchtitan divides by the global token count itself), so step 1's grad norm is halved and training
-    differs from there on (clipping and the optimizer see other gradients)."""
-    torch_steps, unguarded = run("torch"), run("fc_skip_division_guard")
-    assert unguarded[0]["loss"] == pytest.approx(torch_steps[0]["loss"], rel=1e-5)
+    summed (torchtitan divides by the global token count itself), so every step's grad norm is halved, clipping at
+    1.0 no longer applies, and the losses drift (AdamW is nearly scale-invariant, so only slowly)."""
+    (torch_steps, _), (unguarded, _) = run("torch"), run("fc_skip_division_guard")
+    assert unguarded[0]["loss"] == pytest.approx(torch_steps[0]["loss"], rel=1e-6)
     assert unguarded[0]["grad_norm"] == pytest.approx(torch_steps[0]["grad_norm"] / 2, rel=1e-5)
-    assert unguarded[1]["loss"] != pytest.approx(torch_steps[1]["loss"], rel=1e-5)
+    for ours, theirs in zip(unguarded[1:], torch_steps[1:], strict=True):
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"] / 2, rel=1e-3)
+    assert abs(unguarded[-1]["loss"] - torch_steps[-1]["loss"]) > 1e-5  # outside the parity tolerance
 
 
-def test_without_the_chunked_loss_guard_the_head_is_gathered_per_chunk(run: Any) -> None:
-    """``ChunkedLossWrapper`` sees no FSDP module in the head: it does not keep the head unsharded across its loss
-    chunks nor defer their reductions, so the numbers stay the same but the head unit's collectives repeat."""
-    torch_steps, unguarded = run("torch"), run("fc_skip_chunked_loss_guard")
+def test_without_the_chunked_loss_guard_the_head_is_reduced_per_chunk(run: Any) -> None:
+    """``ChunkedLossWrapper`` sees no FSDP module in the head: it neither keeps the head unsharded across its loss
+    chunks nor defers their gradient sync to the last chunk. Same numbers; the head unit reduce-scatters once per
+    chunk instead of once, and is gathered again for chunks."""
+    (torch_steps, chunks), (unguarded, _) = run("torch"), run("fc_skip_chunked_loss_guard")
     for key in ("loss", "grad_norm"):
         assert _column(unguarded, key) == pytest.approx(_column(torch_steps, key), rel=1e-5, abs=1e-5), key
-    for key in ("all_gather", "reduce_scatter"):
-        assert all(a > b for a, b in zip(_column(unguarded, key), _column(torch_steps, key), strict=True)), key
+    assert _column(unguarded, "reduce_scatter") == [n + chunks - 1 for n in _column(torch_steps, "reduce_scatter")]
+    assert all(a > b for a, b in zip(_column(unguarded, "all_gather"), _column(torch_steps, "all_gather"), strict=True))
 
 
 def test_docs_show_the_port_the_run_applies() -> None:

@@ -12,7 +12,7 @@ modules run as if the files had been edited. The four CPU patches torchtitan nee
 
 Observation only, no change of behaviour: the trainer's ``train_step`` runs under a collective counter, its
 ``MetricsProcessor.log`` is recorded (global loss and grad norm), and ``Trainer.close`` gathers every rank's record
-to rank 0, which prints one ``RESULT`` JSON line.
+(and the chunked loss's chunk count) to rank 0, which prints one ``RESULT`` JSON line.
 """
 
 from __future__ import annotations
@@ -214,6 +214,7 @@ def observe(records: list[dict[str, Any]]) -> None:
         return log(self, step, loss, max_loss, grad_norm, *a, **k)
 
     def gathering_close(self: Any) -> None:
+        records.append({"loss_chunks": getattr(self.loss_fn, "num_chunks", None)})
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, records)
         if dist.get_rank() == 0:

@@ -26,8 +26,7 @@ pytest.importorskip("torchtitan")
 
 ARGS = (
     "--module llama3 --config llama3_debugmodel --training.steps 3 --training.seq_len 128 "
-    "--training.local_batch_size 2 --checkpoint.no-enable --parallelism.spmd_backend partial_dtensor "
-    "--debug.seed 42 --training.mixed_precision_param float32"
+    "--training.local_batch_size 2 --checkpoint.no-enable --parallelism.spmd_backend partial_dtensor --debug.seed 42"
 ).split()
 STEPS = 3
 
@@ -42,10 +41,11 @@ def _assets() -> Path:
 
 
 @functools.cache
-def _run(variant: str, workdir: Path) -> tuple[list[dict[str, Any]], int]:
+def _run(variant: str, workdir: Path, param_dtype: str) -> tuple[list[dict[str, Any]], int]:
     """One trainer run: rank 0's steps (logged loss and grad norm, collectives) and the loss's chunk count, after
     checking every rank logged and counted the same."""
-    ranks = run_script("torchtitan_trainer_run.py", variant, *ARGS, cwd=workdir)
+    args = [*ARGS, "--training.mixed_precision_param", param_dtype]
+    ranks = run_script("torchtitan_trainer_run.py", variant, *args, cwd=workdir)
     assert all(records == ranks[0] for records in ranks), ranks
     logged = [r for r in ranks[0] if "step" in r]
     counted = [r["collectives"] for r in ranks[0] if "collectives" in r]
@@ -60,7 +60,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     assets = _assets()
     for name in ("tokenizer", "c4_test"):
         shutil.copytree(assets / name, workdir / "tests" / "assets" / name)
-    return lambda variant: _run(variant, workdir)
+    return lambda variant, param_dtype="float32": _run(variant, workdir, param_dtype)
 
 
 def _column(steps: list[dict[str, Any]], key: str) -> list[Any]:
@@ -79,6 +79,17 @@ def test_trainer_matches_torch_fully_shard(run: Any) -> None:
     ours, theirs = _column(fc_steps, "all_reduce"), _column(torch_steps, "all_reduce")
     extra = [a - b for a, b in zip(ours, theirs, strict=True)]
     assert all(0 <= n <= chunks + 1 for n in extra), extra
+
+
+def test_trainer_matches_torch_fully_shard_bf16(run: Any) -> None:
+    """torchtitan's default ``mixed_precision_param``: bf16 parameters in compute, fp32 reductions."""
+    torch_steps, fc_steps = run("torch", "bfloat16")[0], run("fc", "bfloat16")[0]
+    fp32_steps = run("torch")[0]
+    assert _column(torch_steps, "loss")[1:] != pytest.approx(_column(fp32_steps, "loss")[1:], rel=1e-5)  # bf16 ran
+    for key in ("loss", "grad_norm"):
+        assert _column(fc_steps, key) == pytest.approx(_column(torch_steps, key), rel=1e-3), key
+    for key in ("all_gather", "reduce_scatter"):
+        assert _column(fc_steps, key) == _column(torch_steps, key), key
 
 
 def test_without_the_division_guard_gradients_are_averaged(run: Any) -> None:

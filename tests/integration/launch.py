@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,12 +28,16 @@ def finish_rank(result: dict[str, Any]) -> None:
     os._exit(0)
 
 
-def run_script(name: str, variant: str) -> dict[str, Any]:
+def run_script(name: str, variant: str, *args: str, cwd: Path | None = None) -> Any:
+    """Runs ``name`` under torchrun with ``variant`` and ``args`` (in ``cwd``); a failure shows each rank's error
+    line first, then the ends of stdout and stderr."""
     script = Path(__file__).with_name(name)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    done = subprocess.run([*command, str(script), variant], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [*command, str(script), variant, *args], capture_output=True, text=True, env=env, timeout=600, cwd=cwd
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(lines[0].removeprefix("RESULT "))
-    return result
+    errors = [line for line in done.stderr.splitlines() if re.match(r"\[rank\d+\]: [\w.]*(Error|Exception)\b", line)]
+    assert done.returncode == 0 and lines, "\n".join(errors) + "\n" + done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(lines[0].removeprefix("RESULT "))

@@ -24,7 +24,7 @@ every rank raises the same error instead of waiting for collectives that will ne
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +36,7 @@ from .collectives import all_reduce_max
 if TYPE_CHECKING:
     from .state import ShardState
 
-__all__ = ["BackwardPass", "StepAbandoned", "StepSchedule", "agree_on_backward"]
+__all__ = ["StepAbandoned", "StepSchedule", "agree_on_backward"]
 
 
 class StepAbandoned(RuntimeError):
@@ -106,35 +106,6 @@ class StepSchedule:
         """64 bits of the schedule: ranks with different fingerprints would issue different collectives."""
         text = repr([(u.name, u.collectives()) for u in self.units])
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-
-
-@dataclass
-class BackwardPass:
-    """One backward's walk through the schedule: its participants and the two cursors."""
-
-    task: int  # autograd graph task id of the backward that started it
-    gather_order: list[ShardState]  # the schedule's gather order, participants only
-    reduce_order: list[ShardState]  # the schedule's reduce order, participants only
-    reached_here: set[int]  # ids of participants this rank's backward runs
-    awaiting: dict[int, int]  # id -> post-backward hooks still to fire here (-1: only the final callback knows)
-    consumed: set[int]  # ids of the entries (forward calls) this backward runs: dropped at its end
-    gather_cursor: int = 0
-    reduce_cursor: int = 0
-    done: set[int] = field(default_factory=set)  # ids finished here (gradients staged or accumulated)
-    gathered: set[int] = field(default_factory=set)  # ids whose backward all-gather was issued (cursor or prefetch)
-
-    def position(self, state: ShardState) -> int | None:
-        for index, candidate in enumerate(self.gather_order):
-            if candidate is state:
-                return index
-        return None
-
-    def takes_part(self, state: ShardState) -> bool:
-        return any(s is state for s in self.gather_order)
-
-    @property
-    def gathers_left(self) -> bool:
-        return self.gather_cursor < len(self.gather_order)
 
 
 def agree_on_backward(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,10 +32,11 @@ import torch._dynamo.compiled_autograd
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from .backward import BackwardWalk
 from .checks import check_ranks_agree
 from .collectives import labelled
 from .grads import GradState
-from .schedule import BackwardPass, StepAbandoned, StepSchedule, agree_on_backward
+from .schedule import StepAbandoned, StepSchedule, agree_on_backward
 from .streams import side_stream
 from .unit import UnitState
 
@@ -46,11 +46,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["StepContext", "StepPhase", "check_not_compiled_autograd", "in_backward"]
-
-# On a CPU (gloo) device a wait blocks the host. Waiting for a reduce-scatter to make room for the next buffer is
-# safe once this rank has issued every all-gather of the backward; before that a peer might need one of them first,
-# so the wait polls for at most this long and then lets the buffer stay (memory, never a hang).
-_POLL_SECONDS = 1.0
 
 
 def in_backward() -> bool:
@@ -89,8 +84,7 @@ class StepContext:
         self.states = states  # every state under the root, pre-order (registration order)
         self.schedule = StepSchedule(root, states)
         self.phase = StepPhase.IDLE
-        self.backward: BackwardPass | None = None
-        self.reducing: list[ShardState] = []  # reductions issued whose input may still be alive, oldest first
+        self.backward: BackwardWalk | None = None
         # The last backward left no-sync gradients in accumulation buffers (decided from settings, so it is the same
         # on every rank), and the backward that reduces them "drains" the window (see begin_backward).
         self.gradients_held = False
@@ -192,189 +186,39 @@ class StepContext:
                 calls = [e for e in state.entries if e.runs_in_this_backward(running)]
                 observable = all(e.post_backward_runs() for e in calls)
                 awaiting[id(state)] = len(calls) if observable else -1
-        self.backward = BackwardPass(
-            task=int(torch._C._current_graph_task_id()),
-            gather_order=[s for s in self.schedule.gather_order if id(s) in takes_part],
+        gather_order = [s for s in self.schedule.gather_order if id(s) in takes_part]
+        self.draining = self.gradients_held and any(s.reduces_now for s in gather_order)
+        self.backward = BackwardWalk(
+            gather_order=gather_order,
             reduce_order=[s for s in self.schedule.reduce_order if id(s) in takes_part],
             reached_here=here,
             awaiting=awaiting,
             consumed={id(e) for s in self.states for e in s.entries if e.runs_in_this_backward(running)},
+            draining=self.draining,
+            max_reduce_inputs=self.root.max_reduce_inputs,
+            device=self.root.device,
+            where=self._where,
         )
         self.phase = StepPhase.BACKWARD
-        self.draining = self.gradients_held and any(s.reduces_now for s in self.backward.gather_order)
         Variable._execution_engine.queue_callback(self._final_callback)
 
     def gather_for_backward(self, state: ShardState) -> None:
-        """``state`` needs its parameters for backward: issue the backward all-gathers up to it in the agreed order.
-
-        Each unit the cursor passes is gathered (asynchronously, unless it is ``state``) and its prefetch targets are
-        issued: the next participant in the order, or the explicit ``fc.set_modules_to_backward_prefetch`` list.
-        While draining an accumulation window the implicit prefetch is skipped (the next unit's parameters would
-        wait through this unit's reduce-scatter on top of every accumulation buffer: the step's peak).
-        """
-        bp = self.backward
-        if bp is None:
-            state.gather_now()  # a backward that began before this root's (nested roots): nothing to follow
+        """``state`` needs its parameters for backward (its pre-backward, or a recompute in backward)."""
+        if self.backward is None:
+            state.gather_now()  # a backward that began under another root (nested roots): nothing to follow
             return
-        self.reap()
-        target = bp.position(state)
-        if target is None:
-            if id(state) in bp.done:
-                raise RuntimeError(f"internal error in fsdp_compose: {self._where(state)} gathered after its backward")
-            state.gather_now()  # run by this backward although no entry said so (a forward inside backward)
-            return
-        while bp.gather_cursor <= target:
-            passed = bp.gather_order[bp.gather_cursor]
-            bp.gather_cursor += 1
-            self._issue_backward_gather(passed, now=passed is state)
-        if id(state) not in bp.done:
-            state.gather_now()
-
-    def _issue_backward_gather(self, passed: ShardState, *, now: bool) -> None:
-        bp = self.backward
-        assert bp is not None
-        if now:
-            # Copied out before its prefetch is issued: the prefetch's output then never coexists with this unit's
-            # all-gather output and full parameters (the same all-gathers, in the same order).
-            bp.gathered.add(id(passed))
-            passed.gather_now()
-        elif id(passed) not in bp.gathered:
-            bp.gathered.add(id(passed))
-            passed.start_gather(async_op=True)
-        if passed.backward_prefetch is not None:
-            targets = [t for t in passed.backward_prefetch if bp.takes_part(t)]
-        elif self.draining:
-            targets = []
-        else:
-            following = bp.gather_cursor  # the cursor already points past ``passed``
-            targets = bp.gather_order[following : following + 1]
-        for target in targets:
-            if id(target) not in bp.gathered:
-                bp.gathered.add(id(target))
-                target.start_gather(async_op=True)
+        self.backward.gather_for_backward(state)
 
     def call_backward_done(self, state: ShardState) -> None:
-        """A ``_PostBackward`` of ``state`` ran: once every call of it this backward runs here has, finish it."""
-        bp = self.backward
-        if bp is None or id(state) in bp.done or not bp.takes_part(state):
-            return
-        left = bp.awaiting.get(id(state), 0)
-        if left < 0:
-            return  # finishes in the final callback
-        bp.awaiting[id(state)] = left - 1
-        if left - 1 <= 0:
-            self._finish_unit(state)
-            self.issue_reductions()
-
-    def _finish_unit(self, state: ShardState) -> None:
-        """The unit's backward is done here: free its full parameters, then stage (or accumulate) its gradients."""
-        bp = self.backward
-        assert bp is not None
-        bp.done.add(id(state))
-        if id(state) not in bp.gathered:
-            self._pass_gathers_up_to(state)  # peers gather it: so does this rank, before its reduction
-        if state.reshard_after_backward or id(state) not in bp.reached_here:
-            # Free the full parameters first: the gradients live apart from them (in ``.grad`` or the buffer).
-            if not (id(state) not in bp.reached_here and state.unit.state is UnitState.GATHERING):
-                state.unit.reshard()
-        state.opened = False
-        grads = state.unit.grads
-        if not state.reduces_now:
-            grads.accumulate()
-        elif grads.trainable:
-            grads.stage()
-
-    def _pass_gathers_up_to(self, state: ShardState) -> None:
-        bp = self.backward
-        assert bp is not None
-        target = bp.position(state)
-        if target is None:
-            return
-        while bp.gather_cursor <= target:
-            passed = bp.gather_order[bp.gather_cursor]
-            bp.gather_cursor += 1
-            self._issue_backward_gather(passed, now=False)
-
-    # ------------------------------------------------------------------ reductions
-    def issue_reductions(self, *, final: bool = False) -> None:
-        """Issue reductions in the agreed order as far as their gradients are complete here.
-
-        A participant this rank's backward does not run is complete by definition (it reduces zeros, or what it
-        accumulated) and goes at its turn; one this rank runs waits for its last call's post-backward, or for the
-        final callback (``final``), which completes every unit left.
-        """
-        bp = self.backward
-        assert bp is not None
-        while bp.reduce_cursor < len(bp.reduce_order):
-            state = bp.reduce_order[bp.reduce_cursor]
-            if id(state) not in bp.done:
-                if id(state) in bp.reached_here and not final:
-                    return  # its gradients may still come
-                self._finish_unit(state)
-            grads = state.unit.grads
-            if state.reduces_now and grads.trainable:
-                if grads.state is not GradState.STAGED:
-                    grads.stage()
-                grads.reduce(all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync)
-                if grads.state is GradState.REDUCE_SCATTERING:
-                    self.reducing.append(state)
-            bp.reduce_cursor += 1
-
-    def reap(self) -> None:
-        """Move every reduction in flight that has completed on (a check, not a wait): frees its input."""
-        for state in self.reducing:
-            state.unit.grads.advance(only_if_done=True)
-        self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
+        if self.backward is not None:
+            self.backward.call_backward_done(state)
 
     def make_room(self) -> None:
-        """Before a new reduce-scatter input is filled: fewer than ``max_reduce_inputs`` others may stay alive
-        (``set_reduce_scatter_max_input_buffers``, FSDP2's meaning; default 1: the previous reduce-scatter completes
-        before the next input is filled, so one input is alive at a time).
-
-        The oldest in flight completes first. On an accelerator a wait only orders streams, so it always waits. On a
-        CPU device a wait blocks the host: it blocks only once this rank has issued every all-gather of the
-        backward (no peer can then be waiting for one of ours); before that it polls for a bounded time.
-        """
-        self.reap()
-        limit = self.root.max_reduce_inputs
-        bp = self.backward
-        blocking = self.root.device.type != "cpu" or bp is None or not bp.gathers_left
-        deadline = time.monotonic() + _POLL_SECONDS
-        while len(self.reducing) >= limit:
-            oldest = self.reducing[0]
-            grads = oldest.unit.grads
-            if blocking:
-                grads.advance()
-            else:
-                while not grads.reduce_scatter_done() and time.monotonic() < deadline:
-                    time.sleep(0)
-                if not grads.reduce_scatter_done():
-                    return  # a peer may still need our all-gathers: let the buffer stay
-                grads.advance()
-            self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
+        """Called by a unit's gradients before they fill a new reduce-scatter input (see ``BackwardWalk``)."""
+        if self.backward is not None:
+            self.backward.make_room()
 
     # ------------------------------------------------------------------ the end of a step
-    def _complete_collective_order(self) -> None:
-        """Issue and wait for the rest of this backward's collectives, in the agreed order.
-
-        The final callback and an abandoned step share it, so both end at the same point on every rank: every
-        backward all-gather the cursor has not passed (units this rank never needed; each freed once done), every
-        unit not finished yet (its post-backward never came here), every reduction left, then the waits.
-        """
-        bp = self.backward
-        assert bp is not None
-        while bp.gathers_left:
-            passed = bp.gather_order[bp.gather_cursor]
-            bp.gather_cursor += 1
-            self._issue_backward_gather(passed, now=False)
-        for state in bp.reduce_order:
-            if id(state) not in bp.done:
-                self._finish_unit(state)
-        self.issue_reductions(final=True)
-        for state in reversed(self.states):
-            state.unit.grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
-        self.reducing = []
-
     def _keeps_after_backward(self, state: ShardState) -> bool:
         """Full parameters stay across a backward only where asked and no optimizer step can follow it: a step's
         update through ``.data`` would bump no version counter to tell they are stale."""
@@ -391,7 +235,7 @@ class StepContext:
             bp = self.backward
             if bp is None:
                 return
-            self._complete_collective_order()
+            bp.complete()
             for state in bp.gather_order:
                 grads = state.unit.grads
                 grads.settle()  # the one point where the host waits for device-to-host copies of gradients
@@ -429,7 +273,7 @@ class StepContext:
                 if mp.full is not None:
                     mp.full.grad = None  # partial; the reductions below carry zeros in their place
         if self.backward is not None and not agreed:
-            self._complete_collective_order()
+            self.backward.complete()
         for state in self.states:
             state.unit.grads.discard()
             if state.unit.state is not UnitState.SHARDED:
@@ -438,7 +282,6 @@ class StepContext:
             state.kept_unsharded = False
         self.gradients_held = False
         self.draining = False
-        self.reducing = []
         self.backward = None
         self.phase = StepPhase.IDLE
 

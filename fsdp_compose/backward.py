@@ -1,0 +1,221 @@
+"""One backward's walk through the agreed schedule: two cursors, the units finished here, the reductions in flight.
+
+``StepContext.begin_backward`` builds it from the participants the ranks agreed on (schedule.py) and drops it in the
+final callback. Everything that picks a collective during a backward is here:
+
+- ``gather_for_backward``: the gather cursor issues every backward all-gather up to the unit needed now, in the
+  agreed order, with its prefetch; a unit this rank does not run is gathered at its turn all the same;
+- ``call_backward_done``: a unit's call finished its backward here; the unit is finished once every call this
+  backward runs here has (``awaiting``), then the reduce cursor issues every reduction whose turn has come;
+- ``make_room``: before a new reduce-scatter input is filled, older inputs complete (the window);
+- ``complete``: the rest of the order, in the final callback or when a step is abandoned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .grads import GradState
+from .unit import UnitState
+
+if TYPE_CHECKING:
+    from .state import ShardState
+
+__all__ = ["BackwardWalk"]
+
+# On a CPU (gloo) device a wait blocks the host. Waiting for a reduce-scatter to make room for the next buffer is
+# safe once this rank has issued every all-gather of the backward; before that a peer might need one of them first,
+# so the wait polls for at most this long and then lets the buffer stay (memory, never a hang).
+_POLL_SECONDS = 1.0
+
+
+@dataclass
+class BackwardWalk:
+    """One backward: its participants (agreed across ranks), what this rank runs of them, and the two cursors."""
+
+    gather_order: list[ShardState]  # the schedule's gather order, participants only
+    reduce_order: list[ShardState]  # the schedule's reduce order, participants only
+    reached_here: set[int]  # ids of participants this rank's backward runs
+    awaiting: dict[int, int]  # id -> post-backward hooks still to fire here (-1: only the final callback knows)
+    consumed: set[int]  # ids of the entries (forward calls) this backward runs: dropped at its end
+    draining: bool  # this backward reduces gradients held over no-sync micro-batches: no implicit prefetch
+    max_reduce_inputs: int  # set_reduce_scatter_max_input_buffers of the root
+    device: torch.device
+    where: Callable[[ShardState | None], str]  # rank, unit and step position, for internal errors
+    gather_cursor: int = 0
+    reduce_cursor: int = 0
+    done: set[int] = field(default_factory=set)  # ids finished here (gradients staged or accumulated)
+    gathered: set[int] = field(default_factory=set)  # ids whose backward all-gather was issued (cursor or prefetch)
+    reducing: list[ShardState] = field(default_factory=list)  # reductions whose input may be alive, oldest first
+
+    def position(self, state: ShardState) -> int | None:
+        for index, candidate in enumerate(self.gather_order):
+            if candidate is state:
+                return index
+        return None
+
+    def takes_part(self, state: ShardState) -> bool:
+        return any(s is state for s in self.gather_order)
+
+    @property
+    def gathers_left(self) -> bool:
+        return self.gather_cursor < len(self.gather_order)
+
+    def gather_for_backward(self, state: ShardState) -> None:
+        """``state`` needs its parameters for backward: issue the backward all-gathers up to it in the agreed order.
+
+        Each unit the cursor passes is gathered (asynchronously, unless it is ``state``) and its prefetch targets are
+        issued: the next participant in the order, or the explicit ``fc.set_modules_to_backward_prefetch`` list.
+        While draining an accumulation window the implicit prefetch is skipped (the next unit's parameters would
+        wait through this unit's reduce-scatter on top of every accumulation buffer: the step's peak).
+        """
+        self.reap()
+        target = self.position(state)
+        if target is None:
+            if id(state) in self.done:
+                raise RuntimeError(f"internal error in fsdp_compose: {self.where(state)} gathered after its backward")
+            state.gather_now()  # run by this backward although no entry said so (a forward inside backward)
+            return
+        while self.gather_cursor <= target:
+            passed = self.gather_order[self.gather_cursor]
+            self.gather_cursor += 1
+            self._issue_backward_gather(passed, now=passed is state)
+        if id(state) not in self.done:
+            state.gather_now()
+
+    def _issue_backward_gather(self, passed: ShardState, *, now: bool) -> None:
+        if now:
+            # Copied out before its prefetch is issued: the prefetch's output then never coexists with this unit's
+            # all-gather output and full parameters (the same all-gathers, in the same order).
+            self.gathered.add(id(passed))
+            passed.gather_now()
+        elif id(passed) not in self.gathered:
+            self.gathered.add(id(passed))
+            passed.start_gather(async_op=True)
+        if passed.backward_prefetch is not None:
+            targets = [t for t in passed.backward_prefetch if self.takes_part(t)]
+        elif self.draining:
+            targets = []
+        else:
+            following = self.gather_cursor  # the cursor already points past ``passed``
+            targets = self.gather_order[following : following + 1]
+        for target in targets:
+            if id(target) not in self.gathered:
+                self.gathered.add(id(target))
+                target.start_gather(async_op=True)
+
+    def call_backward_done(self, state: ShardState) -> None:
+        """A ``_PostBackward`` of ``state`` ran: once every call of it this backward runs here has, finish it."""
+        if id(state) in self.done or not self.takes_part(state):
+            return
+        left = self.awaiting.get(id(state), 0)
+        if left < 0:
+            return  # finishes in the final callback
+        self.awaiting[id(state)] = left - 1
+        if left - 1 <= 0:
+            self._finish_unit(state)
+            self.issue_reductions()
+
+    def _finish_unit(self, state: ShardState) -> None:
+        """The unit's backward is done here: free its full parameters, then stage (or accumulate) its gradients."""
+        self.done.add(id(state))
+        if id(state) not in self.gathered:
+            self._pass_gathers_up_to(state)  # peers gather it: so does this rank, before its reduction
+        if state.reshard_after_backward or id(state) not in self.reached_here:
+            # Free the full parameters first: the gradients live apart from them (in ``.grad`` or the buffer).
+            if not (id(state) not in self.reached_here and state.unit.state is UnitState.GATHERING):
+                state.unit.reshard()
+        state.opened = False
+        grads = state.unit.grads
+        if not state.reduces_now:
+            grads.accumulate()
+        elif grads.trainable:
+            grads.stage()
+
+    def _pass_gathers_up_to(self, state: ShardState) -> None:
+        target = self.position(state)
+        if target is None:
+            return
+        while self.gather_cursor <= target:
+            passed = self.gather_order[self.gather_cursor]
+            self.gather_cursor += 1
+            self._issue_backward_gather(passed, now=False)
+
+    # ------------------------------------------------------------------ reductions
+    def issue_reductions(self, *, final: bool = False) -> None:
+        """Issue reductions in the agreed order as far as their gradients are complete here.
+
+        A participant this rank's backward does not run is complete by definition (it reduces zeros, or what it
+        accumulated) and goes at its turn; one this rank runs waits for its last call's post-backward, or for the
+        final callback (``final``), which completes every unit left.
+        """
+        while self.reduce_cursor < len(self.reduce_order):
+            state = self.reduce_order[self.reduce_cursor]
+            if id(state) not in self.done:
+                if id(state) in self.reached_here and not final:
+                    return  # its gradients may still come
+                self._finish_unit(state)
+            grads = state.unit.grads
+            if state.reduces_now and grads.trainable:
+                if grads.state is not GradState.STAGED:
+                    grads.stage()
+                grads.reduce(all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync)
+                if grads.state is GradState.REDUCE_SCATTERING:
+                    self.reducing.append(state)
+            self.reduce_cursor += 1
+
+    def reap(self) -> None:
+        """Move every reduction in flight that has completed on (a check, not a wait): frees its input."""
+        for state in self.reducing:
+            state.unit.grads.advance(only_if_done=True)
+        self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
+
+    def make_room(self) -> None:
+        """Before a new reduce-scatter input is filled: fewer than ``max_reduce_inputs`` others may stay alive
+        (``set_reduce_scatter_max_input_buffers``, FSDP2's meaning; default 1: the previous reduce-scatter completes
+        before the next input is filled, so one input is alive at a time).
+
+        The oldest in flight completes first. On an accelerator a wait only orders streams, so it always waits. On a
+        CPU device a wait blocks the host: it blocks only once this rank has issued every all-gather of the
+        backward (no peer can then be waiting for one of ours); before that it polls for a bounded time.
+        """
+        self.reap()
+        limit = self.max_reduce_inputs
+        blocking = self.device.type != "cpu" or not self.gathers_left
+        deadline = time.monotonic() + _POLL_SECONDS
+        while len(self.reducing) >= limit:
+            oldest = self.reducing[0]
+            grads = oldest.unit.grads
+            if blocking:
+                grads.advance()
+            else:
+                while not grads.reduce_scatter_done() and time.monotonic() < deadline:
+                    time.sleep(0)
+                if not grads.reduce_scatter_done():
+                    return  # a peer may still need our all-gathers: let the buffer stay
+                grads.advance()
+            self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
+
+    def complete(self) -> None:
+        """Issue and wait for the rest of this backward's collectives, in the agreed order.
+
+        The final callback and an abandoned step share it, so both end at the same point on every rank: every
+        backward all-gather the cursor has not passed (units this rank never needed; each freed once done), every
+        unit not finished yet (its post-backward never came here), every reduction left, then the waits.
+        """
+        while self.gathers_left:
+            passed = self.gather_order[self.gather_cursor]
+            self.gather_cursor += 1
+            self._issue_backward_gather(passed, now=False)
+        for state in self.reduce_order:
+            if id(state) not in self.done:
+                self._finish_unit(state)
+        self.issue_reductions(final=True)
+        for state in self.reduce_order:
+            state.unit.grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
+        self.reducing = []

@@ -32,7 +32,14 @@ from .api import (  # noqa: E402
     unshard,
 )
 from .clip import clip_grad_norm_  # noqa: E402
-from .description import ParamDescription, UnitDescription, describe, describe_units, print_description  # noqa: E402
+from .description import (  # noqa: E402
+    ParamDescription,
+    UnitDescription,
+    describe,
+    describe_schedule,
+    describe_units,
+    print_description,
+)
 from .extensions import CastAllGather, Int8AllGather, ShardExtensions  # noqa: E402
 from .fsdp2 import FSDP2_METHOD_NAMES, bind_fsdp2_methods, has_fsdp2_methods, share_comm_ctx  # noqa: E402
 from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
@@ -55,6 +62,7 @@ __all__ = [
     "bind_fsdp2_methods",
     "clip_grad_norm_",
     "describe",
+    "describe_schedule",
     "describe_units",
     "full_state_dict",
     "fully_shard",

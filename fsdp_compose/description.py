@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .init import get_state
 from .policies import MixedPrecisionPolicy
+from .schedule import StepSchedule
 
 if TYPE_CHECKING:
     from .state import ShardState
@@ -403,3 +404,25 @@ def _render(module: nn.Module, units: list[UnitDescription], unmanaged: list[str
     if unmanaged:
         lines.append(f"not managed by any unit ({len(unmanaged)}): " + ", ".join(unmanaged))
     return "\n".join(lines)
+
+
+def describe_schedule(module: nn.Module) -> str:
+    """The collective schedule of the sharded ``module`` (the root of its units), before or after it ran: per unit in
+    registration order the collectives it issues, then the orders a backward walks them in."""
+    root = get_state(module)
+    if root is None:
+        raise ValueError(
+            f"fc.describe_schedule: {type(module).__name__} is not sharded; call fc.fully_shard on it (the root) first"
+        )
+    if root.root is not None and root.root is not root:
+        raise ValueError(
+            f"fc.describe_schedule: {type(module).__name__} is a unit under the root {root.root.unit.owner_name}; "
+            "describe the root"
+        )
+    states = _states_under(module)
+    paths = {id(m): name or "(root)" for name, m in module.named_modules()}
+    names = {
+        id(s): "[" + ", ".join(paths[id(m)] for m in s.modules) + "]" if len(s.modules) > 1 else paths[id(s.modules[0])]
+        for s in states
+    }
+    return StepSchedule(root, states, names).describe()

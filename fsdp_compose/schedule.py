@@ -2,7 +2,7 @@
 
 Every rank derives it from data all ranks hold the same — the units in registration order, their groups and settings,
 which parameters train — never from which tensors reached this rank's loss or in which order hooks fired. A backward
-then walks it with two cursors (``BackwardPass``):
+then walks it with two cursors (``backward.BackwardWalk``):
 
 - the **gather cursor** goes through ``gather_order`` (the root, then the other units in reverse registration order):
   a unit's backward all-gather is issued when the cursor reaches it, and a unit needed now moves the cursor up to it,
@@ -51,13 +51,17 @@ class ScheduledUnit:
     state: ShardState
     name: str
 
+    is_root: bool = False
+
     def collectives(self) -> list[str]:
         state, unit = self.state, self.state.unit
         gathers = unit.world_size > 1 and unit.layout.segment_numel > 0
+        setting = state.reshard_after_forward_setting
+        reshards = (not self.is_root) if setting is None else bool(setting)
         found = []
         if gathers:
             found.append("all_gather(forward)")
-            if state.reshard_after_forward:
+            if reshards:
                 found.append("all_gather(backward)")
         if unit.grads.trainable and state.reduces_now and unit.world_size > 1:
             found.append("reduce_scatter")
@@ -69,9 +73,12 @@ class ScheduledUnit:
 class StepSchedule:
     """The units of one root in the orders every rank follows (see the module docstring)."""
 
-    def __init__(self, root: ShardState, states: list[ShardState]) -> None:
+    def __init__(self, root: ShardState, states: list[ShardState], names: dict[int, str] | None = None) -> None:
+        """``names``: id(state) -> the name to print (module paths; default: the unit's class names)."""
         self.root = root
-        self.units = [ScheduledUnit(i, s, s.unit.owner_name) for i, s in enumerate(states)]
+        named = names or {}
+        self.units = [ScheduledUnit(i, s, named.get(id(s), s.unit.owner_name), s is root) for i, s in enumerate(states)]
+        self._names = {id(u.state): u.name for u in self.units}
         self.position = {id(s): i for i, s in enumerate(states)}
         others = [s for s in states if s is not root]
         # The root first: its outputs are the loss's inputs, so its backward hook fires first. It keeps its
@@ -95,10 +102,9 @@ class StepSchedule:
         lines = ["forward (registration order; each unit all-gathers when first entered):"]
         for u in self.units:
             lines.append(f"  {u.position:>3} {u.name}: {', '.join(u.collectives()) or 'no collective'}")
-        lines.append(
-            "backward all-gathers (gather cursor): " + " -> ".join(s.unit.owner_name for s in self.gather_order)
-        )
-        lines.append("reductions (reduce cursor): " + " -> ".join(s.unit.owner_name for s in self.reduce_order))
+        names = self._names
+        lines.append("backward all-gathers (gather cursor): " + " -> ".join(names[id(s)] for s in self.gather_order))
+        lines.append("reductions (reduce cursor): " + " -> ".join(names[id(s)] for s in self.reduce_order))
         lines.append("each backward: one all-reduce of the units it runs (agreed participation), then only those units")
         return "\n".join(lines)
 

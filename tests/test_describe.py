@@ -137,3 +137,27 @@ def test_describe_of_an_unsharded_module_says_so(run_dist) -> None:
     (text,) = run_dist(1, _describe_unsharded)
     assert "0 sharded unit(s)" in text and "call fc.fully_shard first" in text
     assert "not managed by any unit (2): weight, bias" in text
+
+
+def _schedule_text(rank: int, ws: int) -> list[str]:
+    cfg = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_layers=2, n_heads=4)
+    model = GPT(cfg)
+    mesh = mesh_1d(ws)
+    for block in model.blocks:
+        fc.fully_shard(block, mesh=mesh)
+    fc.fully_shard(model, mesh=mesh)
+    before = fc.describe_schedule(model)
+    with pytest.raises(ValueError, match="describe the root"):
+        model(torch.zeros(1, 4, dtype=torch.long))  # lazy init: blocks.0 is now a unit under the root
+        fc.describe_schedule(model.blocks[0])
+    return [before, fc.describe_schedule(model)]
+
+
+def test_describe_schedule_prints_the_declared_order(run_dist) -> None:
+    for before, after in run_dist(2, _schedule_text):
+        assert before == after  # the same before the first step as after it
+        lines = before.splitlines()
+        assert "1 blocks.0: all_gather(forward), all_gather(backward), reduce_scatter" in lines[2]
+        assert lines[0 + 1].strip().startswith("0 (root): all_gather(forward), reduce_scatter")
+        assert "(root) -> blocks.1 -> blocks.0" in before
+        assert "blocks.1 -> blocks.0 -> (root)" in before

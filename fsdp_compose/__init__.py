@@ -35,6 +35,7 @@ from .clip import clip_grad_norm_  # noqa: E402
 from .description import ParamDescription, UnitDescription, describe, describe_units, print_description  # noqa: E402
 from .extensions import CastAllGather, Int8AllGather, ShardExtensions  # noqa: E402
 from .fsdp2 import FSDP2_METHOD_NAMES, bind_fsdp2_methods, has_fsdp2_methods, share_comm_ctx  # noqa: E402
+from .ports import ported  # noqa: E402
 from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
 from .state_dict import full_state_dict, load_full_state_dict  # noqa: E402
 
@@ -63,6 +64,7 @@ __all__ = [
     "is_fully_sharded",
     "load_full_state_dict",
     "no_sync",
+    "ported",
     "print_description",
     "refresh_trainable",
     "register_forward_method",

@@ -4,10 +4,11 @@ inside ``trainer.train()``, gradient accumulation 2, 3 optimizer steps, then ``m
 ``fc.ported("transformers")``.
 
 The same losses, parameters, all-gathers (count and bytes) and reduce-scatters (one per unit per optimizer step; the
-flag bytes as in test_accelerate.py), and the same generated tokens (with 3 all-gathers more in ``generate``: see the test). The ``Trainer`` registers ``generate`` with
-``torch.distributed.fsdp.register_fsdp_forward_method``, a no-op for a module that is not a torch ``FSDPModule``; the
-port makes it ``fc.register_forward_method``. Under the accelerate port alone it stays unregistered (this Llama's
-``generate`` runs only ordinary forwards, so its tokens are the same either way)."""
+flag bytes as in test_accelerate.py), and the same generated tokens (with 3 all-gathers more in ``generate``: see
+the test). The ``Trainer`` registers ``generate`` with ``torch.distributed.fsdp.register_fsdp_forward_method``, a
+no-op for a module that is not a torch ``FSDPModule``; the port makes it ``fc.register_forward_method``. Under the
+accelerate port alone it stays unregistered (this Llama's ``generate`` runs only ordinary forwards, so its tokens
+are the same either way)."""
 
 from __future__ import annotations
 

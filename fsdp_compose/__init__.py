@@ -43,6 +43,7 @@ from .description import (  # noqa: E402
 from .extensions import CastAllGather, Int8AllGather, ShardExtensions  # noqa: E402
 from .fsdp2 import FSDP2_METHOD_NAMES, bind_fsdp2_methods, has_fsdp2_methods, share_comm_ctx  # noqa: E402
 from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
+from .ports import ported  # noqa: E402
 from .state_dict import full_state_dict, load_full_state_dict  # noqa: E402
 
 __version__ = "0.1.0"
@@ -71,6 +72,7 @@ __all__ = [
     "is_fully_sharded",
     "load_full_state_dict",
     "no_sync",
+    "ported",
     "print_description",
     "refresh_trainable",
     "register_forward_method",

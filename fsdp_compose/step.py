@@ -123,7 +123,10 @@ class StepContext:
         for state in self.states:
             unit = state.unit
             unit.grads.drop_if_user_zeroed()
-            if not unit.explicit and state.kept_unsharded is False and unit.state is not UnitState.SHARDED:
+            # A unit gathered for a forward whose backward has not run yet stays gathered for this one (pipelined
+            # micro-batches, FSDP2 does the same); anything else left gathered is freed.
+            awaited = continuing and bool(state.entries) and unit.is_unsharded
+            if not awaited and not unit.explicit and not state.kept_unsharded and unit.state is not UnitState.SHARDED:
                 # A prefetch nobody used, parameters kept after a forward, or a group block left from one: free them
                 # (the next gather sees any update made since, also through ``.data``).
                 unit.reshard()

@@ -1,10 +1,11 @@
 """Run under ``torchrun --nproc_per_node 2``: HF ``Trainer`` (gradient accumulation 2) on a tiny randomly initialized
 Llama built from a config in code, sharded per decoder layer by torch's ``fully_shard`` or ``fc.fully_shard``;
-prints one JSON line (rank 0). ``argv[1]``: ``torch``, ``fc`` (with the guard patch of docs/integrations.md) or
-``fc_unpatched``."""
+prints one JSON line (rank 0). ``argv[1]``: ``torch``, ``fc`` (with the guard patch of docs/integrations.md),
+``fc_ported`` (``trainer.train()`` under ``fc.ported("transformers")`` instead) or ``fc_unpatched``."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -75,7 +76,8 @@ args = TrainingArguments(
 )
 trainer = Trainer(model=model, args=args, train_dataset=Tokens())
 counter = CollectiveCounter()
-with counter:
+port = fc.ported("transformers") if VARIANT == "fc_ported" else contextlib.nullcontext()
+with counter, port:
     result = trainer.train()
 losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
 params = [p.full_tensor().flatten()[:8].tolist() for p in model.parameters()]

@@ -1,10 +1,12 @@
 """Run under ``torchrun --nproc_per_node 2``: Lightning Fabric's ``ModelParallelStrategy`` with torch's
 ``fully_shard`` or ``fc.fully_shard`` in the user's ``parallelize_fn``; prints one JSON line (rank 0).
 
-``argv[1]``: ``torch``, ``fc`` (fsdp_compose with the guard patch of docs/integrations.md) or ``fc_unpatched``."""
+``argv[1]``: ``torch``, ``fc`` (fsdp_compose with the guard patch of docs/integrations.md), ``fc_ported`` (the training
+loop under ``fc.ported("lightning")`` instead) or ``fc_unpatched``."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from typing import Any
@@ -52,19 +54,21 @@ model = nn.Sequential(
 model = fabric.setup_module(model)
 optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
 losses, reduce_scatters = [], []
-for step in range(3):
-    counter = CollectiveCounter()
-    with counter:
-        for micro in range(2):  # gradient accumulation: the first micro-batch without gradient sync
-            gen = torch.Generator().manual_seed(10 * step + micro)
-            x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
-            x, y = x.chunk(2)[fabric.global_rank], y.chunk(2)[fabric.global_rank]
-            with fabric.no_backward_sync(model, enabled=micro == 0):
-                loss = nn.functional.mse_loss(model(x), y)
-                fabric.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad()
-    reduce_scatters.append(counter.counts["reduce_scatter"])
-    losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+port = fc.ported("lightning") if VARIANT == "fc_ported" else contextlib.nullcontext()
+with port:  # fc_ported: Fabric's no_backward_sync with the guard line applied for the block
+    for step in range(3):
+        counter = CollectiveCounter()
+        with counter:
+            for micro in range(2):  # gradient accumulation: the first micro-batch without gradient sync
+                gen = torch.Generator().manual_seed(10 * step + micro)
+                x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+                x, y = x.chunk(2)[fabric.global_rank], y.chunk(2)[fabric.global_rank]
+                with fabric.no_backward_sync(model, enabled=micro == 0):
+                    loss = nn.functional.mse_loss(model(x), y)
+                    fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        reduce_scatters.append(counter.counts["reduce_scatter"])
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
 params = [p.full_tensor().flatten().tolist() for p in model.parameters()]
 finish_rank({"loss": losses, "reduce_scatters": reduce_scatters, "params": params})

@@ -26,3 +26,6 @@ def test_hf_trainer_with_accumulation_matches_torch_fully_shard() -> None:
     assert fc_run["reduce_scatters"] == torch_run["reduce_scatters"] == 9  # 3 units x 3 optimizer steps
     assert unpatched["loss"] == pytest.approx(torch_run["loss"], rel=1e-5)
     assert unpatched["reduce_scatters"] == 18
+    ported = run_script("hf_trainer_run.py", "fc_ported")  # the guard line applied by fc.ported("transformers")
+    assert ported["loss"] == fc_run["loss"] and ported["params"] == fc_run["params"]
+    assert ported["reduce_scatters"] == 9

@@ -23,11 +23,14 @@ def _run(variant: str) -> dict[str, Any]:
 
 
 def test_fabric_model_parallel_strategy_matches_torch_fully_shard() -> None:
-    torch_run, fc_run, unpatched = _run("torch"), _run("fc"), _run("fc_unpatched")
+    torch_run, fc_run, unpatched, ported = _run("torch"), _run("fc"), _run("fc_unpatched"), _run("fc_ported")
     assert fc_run["loss"] == pytest.approx(torch_run["loss"], rel=1e-6)
     for ours, theirs in zip(fc_run["params"], torch_run["params"], strict=True):
         assert ours == pytest.approx(theirs, abs=1e-6)
     assert fc_run["reduce_scatters"] == torch_run["reduce_scatters"] == [3, 3, 3]  # one per unit per step
+    # fc.ported("lightning") applies the guard line for the block: the same as the edited source
+    assert ported["loss"] == fc_run["loss"] and ported["params"] == fc_run["params"]
+    assert ported["reduce_scatters"] == [3, 3, 3]
     # Without the guard line: the same numbers, but both micro-batches reduce-scatter.
     assert unpatched["loss"] == pytest.approx(torch_run["loss"], rel=1e-5)
     assert unpatched["reduce_scatters"] == [6, 6, 6]

@@ -91,6 +91,9 @@ class _Entry:
         self.pre: weakref.ref[Any] | None = None
         self.post: weakref.ref[Any] | None = None
 
+    def alive(self) -> bool:
+        return self.pre is not None and self.pre() is not None
+
     def runs_in_this_backward(self, running: object = None) -> bool:
         """``running``: the node whose backward is running now (autograd does not count a backward's own root
         node among those it will execute)."""

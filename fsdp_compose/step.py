@@ -119,7 +119,9 @@ class StepContext:
             self.abandon()  # a backward that raised: its final callback never ran
         if any(state.collective_checks for state in self.states):
             check_ranks_agree(self.root)  # before anything of this step communicates
-        continuing = self.phase is StepPhase.AWAITING_BACKWARD
+        for state in self.states:
+            state.entries = [entry for entry in state.entries if entry.alive()]  # graphs nobody will run are gone
+        continuing = self.phase is StepPhase.AWAITING_BACKWARD and any(state.entries for state in self.states)
         for state in self.states:
             unit = state.unit
             unit.grads.drop_if_user_zeroed()
@@ -256,7 +258,10 @@ class StepContext:
             self.gradients_held = any(state.unit.grads.state is GradState.ACCUMULATING for state in self.states)
             self.draining = False
             self.backward = None
-            self.phase = StepPhase.IDLE
+            # Calls no backward has run yet (pipelined micro-batches, the body under a chunked loss) keep the step
+            # waiting for theirs.
+            pending = any(state.entries for state in self.states)
+            self.phase = StepPhase.AWAITING_BACKWARD if pending else StepPhase.IDLE
 
     def abandon(self, *, agreed: bool = False) -> None:
         """A step that never reached its final callback (it raised, or ``fc.reset_step``): drop its gradients.
@@ -296,8 +301,10 @@ class StepContext:
         the same ``StepAbandoned`` unless all of them abandon it.
         """
         quitting: list[int] = []
-        everyone = False
-        if self.phase in (StepPhase.AWAITING_BACKWARD, StepPhase.FORWARD) and self.backward is None:
+        everyone = True
+        if self.backward is None:
+            # Every rank calls reset_step at the same point, or this rank alone while the others run the backward
+            # of the step it abandons: either way they meet in the backward's agreement.
             _, quitting = agree_on_backward(self.schedule, [False] * len(self.states), abandoning=True, checks=False)
             everyone = len(quitting) == _ranks_in(self.root)
         if self.backward is not None or any(s.unit.grads.has_pending() for s in self.states):
@@ -310,7 +317,7 @@ class StepContext:
             state.kept_unsharded = False
         self.backward = None
         self.phase = StepPhase.IDLE
-        if quitting and not everyone:
+        if not everyone:
             raise StepAbandoned(
                 f"fsdp_compose: this rank abandoned the step (fc.reset_step) under {self.root.unit.owner_name} while "
                 f"other ranks ran its backward (abandoning: {quitting}): no gradient of it is kept on any rank. Skip "

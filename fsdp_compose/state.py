@@ -410,6 +410,11 @@ class ShardState:
                 elif self.root is not None and self.root.ctx is not None:
                     self.root.ctx.issue_reductions_in_order()
 
+    def __repr__(self) -> str:
+        modules = ", ".join(type(m).__name__ for m in self.modules)
+        root = None if self.root is None else self.is_root  # None: decided at the first forward
+        return f"ShardState([{modules}], root={root}, phase={self.phase.value}, unit={self.unit!r})"
+
     # ------------------------------------------------------------------ copy.deepcopy
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardState:
         new = object.__new__(ShardState)

@@ -202,6 +202,21 @@ class ShardedUnit:
         self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
         self.grads = UnitGradients(self._reduce_spec(), self.params)
 
+    def __repr__(self) -> str:
+        """What this unit is: its modules, mesh, parameters (global and local sizes), dtypes and state."""
+        mesh = self.dp.mesh
+        names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
+        params = self.params
+        local = sum(mp.sharded._local_tensor.numel() for mp in params)
+        total = sum(mp.sharded.numel() for mp in params)
+        dtype = str(self.orig_dtype).removeprefix("torch.")
+        compute = "" if self.policy_param_dtype is None else f", param_dtype={self.policy_param_dtype}"
+        return (
+            f"ShardedUnit({self.owner_name}, mesh={tuple(mesh.shape)} {mesh.device_type}{names}, "
+            f"params={len(params)}, numel={total}, local_numel={local} ({self.shard_device.type}), dtype={dtype}"
+            f"{compute.replace('torch.', '')}, state={self.state.value})"
+        )
+
     # ------------------------------------------------------------------ dtypes
     @property
     def params(self) -> list[ManagedParam]:

@@ -24,8 +24,8 @@ import enum
 import functools
 import logging
 import weakref
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch

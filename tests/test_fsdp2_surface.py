@@ -7,7 +7,6 @@ output dtype of a non-root mixed-precision unit (a documented difference) and th
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -166,7 +165,12 @@ def _unused(rank: int, ws: int, flag: bool | None) -> dict[str, Any]:
         for step in range(2):  # the second backward accumulates into the existing .grad
             model(torch.full((4,), float(rank + step + 1))).backward()
             g = model.unused.grad
-            trace.append((None if g is None else (type(g).__name__, g.to_local().abs().sum().item()), full_value(model.used.grad)))
+            trace.append(
+                (
+                    None if g is None else (type(g).__name__, g.to_local().abs().sum().item()),
+                    full_value(model.used.grad),
+                )
+            )
         results[name] = trace
     return results
 
@@ -196,7 +200,9 @@ def _train_with_event(rank: int, ws: int) -> dict[str, Any]:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         events: list[object] = []
 
-        def post_step(optimizer: Any, args: Any, kwargs: Any, model: Any = model, events: list[object] = events) -> None:
+        def post_step(
+            optimizer: Any, args: Any, kwargs: Any, model: Any = model, events: list[object] = events
+        ) -> None:
             event = torch.get_device_module(torch.device("cpu")).current_stream().record_event()
             events.append(event)  # None on CPU: FSDP2 then has nothing to wait for
             model.set_post_optim_event(event)
@@ -257,9 +263,7 @@ def _with_replicate(rank: int, ws: int, flavor: str) -> dict[str, Any]:
         _step(reference, x, y)
         ref_opt.step()
     ours = models["ours"]
-    replicated = [
-        type(p).__name__ if not isinstance(p, DTensor) else tuple(p.placements) for p in ours[2].parameters()
-    ]
+    replicated = [type(p).__name__ if not isinstance(p, DTensor) else tuple(p.placements) for p in ours[2].parameters()]
     # A module replicate() manages cannot be a unit itself; nothing changes.
     lone = _net()
     replicate(lone[2])

@@ -387,3 +387,31 @@ def test_repr_of_a_units_state_says_what_it_is(run_dist) -> None:
         assert "mesh=(2,) cpu" in unit and "params=2" in unit and "numel=70" in unit
         assert f"local_numel={local} (cpu)" in unit and local == 35
         assert "dtype=float32" in unit and "state=sharded" in unit
+
+
+# ---------------------------------------------------------------------- dp_mesh_dims with replicate= only
+def _replicate_only_collectives(rank: int, ws: int) -> list[dict[str, int]]:
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = mesh_nd((ws,), ("dp",))
+    dims = torch_fsdp.DataParallelMeshDims(replicate="dp")
+    counts = []
+    for shard in (_ours, torch_fsdp.fully_shard):
+        model = _net()
+        for module in model:
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()])))
+        _shard_blocks(model, shard, mesh=mesh, dp_mesh_dims=dims)
+        x = distribute_tensor(_batch(0, 4 * ws)[0], mesh, [Shard(0)])
+        model(x).sum().backward()  # lazy init
+        with CommDebugMode() as comm:
+            model(x).sum().backward()
+        counts.append({str(op): n for op, n in comm.get_comm_counts().items()})
+    return counts
+
+
+def test_replicate_only_dp_mesh_dims_issues_torchs_collectives(run_dist) -> None:
+    # (numbers and placements against torch: test_fsdp2_compat.py::test_dp_mesh_dims_matches_torchs_fully_shard)
+    for ours, theirs in run_dist(2, _replicate_only_collectives):
+        assert ours == theirs == {"c10d.allreduce_": 3}  # one all-reduce per unit, nothing gathered or scattered

@@ -345,9 +345,11 @@ class ShardState:
         # Outputs that need no gradient (no_grad, or a method that disables grad inside) mean no backward will
         # come through this unit: reshard even where reshard_after_forward says keep (the root, by default).
         grad_outputs = [
-            leaf
+            tensor
             for leaf in tree_flatten(output)[0]
-            if torch.is_grad_enabled() and isinstance(leaf, torch.Tensor) and leaf.requires_grad
+            if torch.is_grad_enabled() and isinstance(leaf, torch.Tensor)
+            for tensor in _autograd_tensors(leaf)
+            if tensor.requires_grad
         ]
         if not grad_outputs:
             self.unit.reshard()
@@ -429,6 +431,24 @@ class ShardState:
         new.kept_unsharded = False
         new.reset_step()
         return new
+
+
+def _autograd_tensors(output: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors of an output that backward reaches: the output itself, or inside a torch.func transform (``jvp``)
+    the plain tensors under its wrapper, the primal and the tangent. The tangent's backward reads the unit's full
+    parameters too, so it needs the pre-backward hook as much as the primal (a loss on a jvp's tangent)."""
+    if not torch._C._functorch.is_functorch_wrapped_tensor(output):
+        return [output]
+    tensors = [output]
+    tangent = torch.autograd.forward_ad.unpack_dual(output).tangent
+    if tangent is not None:
+        tensors.append(tangent)
+    found = []
+    for tensor in tensors:
+        while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+            tensor = torch._C._functorch.get_unwrapped(tensor)
+        found.append(tensor)
+    return found
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

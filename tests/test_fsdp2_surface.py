@@ -293,40 +293,49 @@ def test_replicate_beside_units_trains_as_with_torchs_fully_shard(run_dist, flav
 
 
 # ---------------------------------------------------------------------- torch.func.jvp
-def _jvp(rank: int, ws: int) -> dict[str, Any]:
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [torch.zeros(()) if p.grad is None else full_value(p.grad).clone() for p in model.parameters()]
+
+
+def _jvp(rank: int, ws: int, loss_on: str, reshard_after_forward: bool) -> dict[str, Any]:
     mesh = mesh_1d(ws)
-    reference = _net()
     models = {
-        "ours": _shard_blocks(_net(), fc.fully_shard, mesh=mesh),
-        "torch": _shard_blocks(_net(), torch_fsdp.fully_shard, mesh=mesh),
+        "reference": _net(),
+        "ours": _shard_blocks(_net(), fc.fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward),
+        "torch": _shard_blocks(_net(), torch_fsdp.fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward),
     }
-    x, y = _batch(0, 4)
-    tangent = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    x = _batch(0, 4 * ws)[0]
+    tangent = torch.randn(4 * ws, 6, generator=torch.Generator().manual_seed(3))
     results: dict[str, Any] = {}
-    for name, model in (("reference", reference), *models.items()):
-        # model[2] and the root get inputs that require grad (the previous layer's output): hooked in forward
-        with_grad = torch.func.jvp(model, (x,), (tangent,))
-        with torch.no_grad():
-            without_grad = torch.func.jvp(model, (x,), (tangent,))
-        results[name] = [t.detach() for t in (*with_grad, *without_grad)]
-    # An ordinary training step after the transforms: the units are back to normal.
-    steps = {}
     for name, model in models.items():
-        _step(model, local_batch(x, rank, ws), local_batch(y, rank, ws))
-        steps[name] = [full_value(p.grad) for p in model.parameters()]
-    results["steps"] = steps
-    results["reference_grads"] = _reference_grads(0, 4)
+        xs, ts = (x, tangent) if name == "reference" else (local_batch(x, rank, ws), local_batch(tangent, rank, ws))
+        with torch.no_grad():
+            outputs = [t.detach() for t in torch.func.jvp(model, (xs,), (ts,))]
+        # A loss on the jvp's outputs (the tangent's backward reads the full parameters too), twice: accumulated.
+        # model[2] and the root get inputs that require grad (the previous layer's output): hooked in forward.
+        for _ in range(2):
+            primal, tangent_out = torch.func.jvp(model, (xs,), (ts,))
+            loss = {"tangent": tangent_out.pow(2).sum(), "both": primal.pow(2).sum() + tangent_out.pow(2).sum()}
+            loss[loss_on].backward()
+        grads = _grads(model)
+        if name == "reference":
+            grads = [g / ws for g in grads]  # FSDP averages the ranks' sums over their parts of the batch
+            outputs = [local_batch(o, rank, ws) for o in outputs]  # this rank's rows of the primal and tangent
+        results[name] = (outputs, grads)
     results["dtensor_params"] = all(isinstance(p, DTensor) for p in models["ours"].parameters())
     return results
 
 
-def test_jvp_through_units_matches_torch_and_the_reference(run_dist) -> None:
-    for r in run_dist(2, _jvp):
-        for ours, theirs, ref in zip(r["ours"], r["torch"], r["reference"], strict=True):
+@pytest.mark.parametrize("loss_on", ["tangent", "both"])
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
+def test_jvp_through_units_matches_torch_and_the_reference(run_dist, loss_on: str, reshard_after_forward: bool) -> None:
+    for r in run_dist(2, _jvp, loss_on, reshard_after_forward):
+        (outputs, grads), (t_outputs, t_grads), (r_outputs, r_grads) = r["ours"], r["torch"], r["reference"]
+        for ours, theirs, ref in zip(outputs, t_outputs, r_outputs, strict=True):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
             torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
-        for ours, theirs, ref in zip(r["steps"]["ours"], r["steps"]["torch"], r["reference_grads"], strict=True):
-            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        for ours, theirs, ref in zip(grads, t_grads, r_grads, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
         assert r["dtensor_params"]
 

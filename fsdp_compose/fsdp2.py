@@ -10,16 +10,18 @@ Each bound method has FSDP2's signature and semantics (docs/integrations.md has 
 no machinery for a setting, the reason is one of:
 
 - the setting is already what fsdp_compose always does (``set_force_sum_reduction_for_comms(True)``,
-  ``set_separate_reduce_scatter_group(True)``, ``set_reduce_scatter_unused_params(True)``,
-  ``set_is_last_backward(True)``): any value is accepted and the results are those of FSDP2 with that setting;
+  ``set_separate_reduce_scatter_group(True)``, ``set_is_last_backward(True)``): any value is accepted and the results
+  are those of FSDP2 with that setting;
 - it tunes streams or buffers fsdp_compose does not have (``set_post_optim_event``, ``share_comm_ctx``,
   ``set_reduce_scatter_max_input_buffers``, ``set_allocate_memory_from_process_group_for_comm``,
-  ``set_symm_mem_for_comm``): values are validated and nothing changes in what is computed;
+  ``set_symm_mem_for_comm``, ``_set_unshard_async_op``): values are validated and nothing changes in what is computed;
 - ``set_unshard_in_backward(False)`` would save an all-gather: fsdp_compose gathers anyway (a warning says so; the
   gradients are the same);
-- its contract does not map onto fsdp_compose's (``set_custom_all_gather``, ``set_custom_reduce_scatter``,
-  ``set_all_reduce_hook``): it raises ``NotImplementedError`` naming the ``fc.ShardExtensions`` alternative, rather
-  than silently not calling the user's code.
+- its contract does not map onto fsdp_compose's (``set_custom_all_gather``, ``set_custom_reduce_scatter``): it
+  raises ``NotImplementedError`` naming the ``fc.ShardExtensions`` alternative, rather than silently not calling the
+  user's code.
+
+``set_all_reduce_hook`` and ``set_reduce_scatter_unused_params`` act on the unit's gradient delivery (grads.py).
 """
 
 from __future__ import annotations
@@ -105,9 +107,33 @@ _EXTENSIONS_HINT = "pass fc.ShardExtensions({field}=...) to fc.fully_shard inste
 
 def _set_post_optim_event(module: nn.Module, event: torch.Event) -> None:
     # FSDP2 makes its all-gather streams wait on the event; fsdp_compose all-gathers on the current stream, so
-    # making that stream wait gives the same ordering for every later all-gather.
+    # making that stream wait gives the same ordering for every later all-gather. A CPU stream's record_event()
+    # returns None: nothing to wait for, as in FSDP2.
     api._require_state(module, "set_post_optim_event")
-    event.wait()
+    if event is not None:
+        event.wait()
+
+
+def _set_all_reduce_hook(
+    module: nn.Module, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
+) -> None:
+    # This module's own unit (FSDP2: its own parameter group), not recursive. The hook gets the unit's reduced rows
+    # (after the reduce-scatter, and after the all-reduce over replicas under HSDP) and may change them in place.
+    state = api._require_state(module, "set_all_reduce_hook")
+    if not callable(hook):
+        raise TypeError(f"set_all_reduce_hook: hook must be callable as hook(reduce_output), got {type(hook).__name__}")
+    if stream is not None and state.unit.dp.replicate_group is not None:
+        raise ValueError("stream cannot be set when using native HSDP")  # FSDP2's check and message
+    state.unit.grads.reduced_hook = hook
+    state.unit.grads.reduced_hook_stream = stream
+
+
+def _set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
+    # FSDP2 then issues its pre-forward/pre-backward all-gathers with async_op=True so their buffers come from the
+    # compute stream's allocator; fsdp_compose already allocates them on the compute stream (streams.py), so the
+    # setting changes no result. Validated, recursive like FSDP2's.
+    _check_bool(async_op, "async_op", "_set_unshard_async_op")
+    api._states(module, True, "_set_unshard_async_op")
 
 
 def _set_gradient_divide_factor(module: nn.Module, factor: float) -> None:
@@ -135,9 +161,11 @@ def _set_reduce_scatter_unused_params(
     module: nn.Module, reduce_scatter_unused_params: bool, *, recurse: bool = True
 ) -> None:
     # Every trainable unit that ran reduce-scatters, with zeros for parameters without a gradient, so ranks never
-    # issue different collectives: True is fsdp_compose's only behaviour.
+    # issue different collectives either way. True also gives a parameter that no rank had a gradient for a zero
+    # .grad, as FSDP2 does; False (the default) leaves it None.
     _check_bool(reduce_scatter_unused_params, "reduce_scatter_unused_params", "set_reduce_scatter_unused_params")
-    api._states(module, recurse, "set_reduce_scatter_unused_params")
+    for state in api._states(module, recurse, "set_reduce_scatter_unused_params"):
+        state.unit.grads.zero_unused = reduce_scatter_unused_params
 
 
 def _set_reduce_scatter_max_input_buffers(module: nn.Module, max_input_buffers: int, *, recurse: bool = True) -> None:
@@ -195,10 +223,7 @@ _METHODS: dict[str, Callable[..., Any]] = {
         "set_custom_reduce_scatter",
         _EXTENSIONS_HINT.format(field="reduce_scatter") + " (a hook that must leave the sum over ranks)",
     ),
-    "set_all_reduce_hook": _not_mapped(
-        "set_all_reduce_hook",
-        _EXTENSIONS_HINT.format(field="all_reduce") + " (it replaces the HSDP all-reduce; FSDP2's hook runs after it)",
-    ),
+    "set_all_reduce_hook": _set_all_reduce_hook,
     "set_post_optim_event": _set_post_optim_event,
     "set_reduce_scatter_divide_factor": _set_reduce_scatter_divide_factor,
     "set_gradient_divide_factor": _set_gradient_divide_factor,
@@ -209,10 +234,11 @@ _METHODS: dict[str, Callable[..., Any]] = {
     "set_unshard_in_backward": _set_unshard_in_backward,
     "set_allocate_memory_from_process_group_for_comm": _set_allocate_memory_from_process_group_for_comm,
     "set_symm_mem_for_comm": _set_symm_mem_for_comm,
+    "_set_unshard_async_op": _set_unshard_async_op,  # private in FSDP2, but its own tests and some trainers call it
 }
 
 # The public methods of torch 2.13's FSDPModule (tests check this list against torch's class).
-FSDP2_METHOD_NAMES: tuple[str, ...] = tuple(sorted(_METHODS))
+FSDP2_METHOD_NAMES: tuple[str, ...] = tuple(sorted(name for name in _METHODS if not name.startswith("_")))
 
 
 class _BoundMethod:

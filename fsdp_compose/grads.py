@@ -40,7 +40,7 @@ from .flat import ManagedParam, local_grad, run_post_accumulate_grad_hooks
 from .meshes import DataParallelMesh
 from .offload import UnitDevices
 from .sharding import FlatLayout, chunk_rows, divide_factors, write_grad_into_segments
-from .streams import record_event
+from .streams import current_stream, issued_on, record_event
 from .transitions import checked
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,12 @@ class UnitGradients:
         self.locally_seen: set[int] = set()  # parameters with a gradient on this rank since the last reduce
         self.written: set[int] = set()  # parameters whose region in ``buffer`` holds a gradient already
         self.divide_factor: float | None = None  # fc.set_gradient_divide_factor (None: the data-parallel size)
+        # FSDP2's set_all_reduce_hook: called on this rank's reduced rows before they become ``.grad`` (and the stream
+        # it runs on, None: the current one); FSDP2's set_reduce_scatter_unused_params(True): a parameter no rank had
+        # a gradient for gets a zero ``.grad`` instead of keeping None.
+        self.reduced_hook: Callable[[torch.Tensor], None] | None = None
+        self.reduced_hook_stream: torch.Stream | None = None
+        self.zero_unused = False
         self.accumulating = False  # set by the state each forward: a no-sync micro-batch (gradients kept here)
         # A failed step completes its collectives (every rank must) but hands nothing out: set by
         # ``StepContext.abort_backward``, cleared by ``discard``.
@@ -445,7 +451,10 @@ class UnitGradients:
         _, post = divide_factors(spec.dp.size, self.divide_factor, spec.reduce_dtype)
         if post != 1.0:
             output.div_(post)
-        flags = output[segment : segment + len(self.trainable)] > 0 if flight.missing_locally else None
+        if self.reduced_hook is not None:
+            self._run_reduced_hook(output)
+        missing = flight.missing_locally and not self.zero_unused
+        flags = output[segment : segment + len(self.trainable)] > 0 if missing else None
         if output.dtype != spec.grad_dtype:
             output = output.to(spec.grad_dtype)  # one cast for the unit (an elementwise cast: same values)
         delivery = _Delivery(output, flags, None, flight.synchronising)
@@ -459,6 +468,25 @@ class UnitGradients:
                 self.settle()
             return
         self._hand_out(delivery)
+
+    def _run_reduced_hook(self, output: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: ``hook(rows)`` on this rank's reduced, divided gradient rows in the reduce dtype
+        (after the HSDP all-reduce), one flat tensor; what it writes in place is what ``.grad`` receives. The
+        "had a gradient" flags are not in it; 0-dim gradients (kept in the tail) are appended and copied back."""
+        assert self.reduced_hook is not None
+        segment = self.layout.segment_numel
+        start = segment + len(self.trainable)
+        scalars = output[start : start + len(self.scalar)]
+        rows = torch.cat([output[:segment], scalars]) if len(self.scalar) else output[:segment]
+        device = self.spec.device
+        stream = self.reduced_hook_stream if device.type != "cpu" else None
+        with issued_on(stream, device):
+            self.reduced_hook(rows)
+        if stream is not None:
+            current_stream(device).wait_stream(stream)
+        if len(self.scalar):
+            output[:segment].copy_(rows[:segment])
+            scalars.copy_(rows[segment:])
 
     def settle(self) -> None:
         """Wait for the copies of the deliveries ``_deliver`` started and hand their rows out (the end of backward)."""

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
+from torch.distributed._composable.contract import _get_registry
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -339,6 +340,13 @@ def _describe(modules: list[nn.Module]) -> str:
     return "[" + ", ".join(type(m).__name__ for m in modules) + "]" if len(modules) > 1 else type(modules[0]).__name__
 
 
+def _replicated(module: nn.Module) -> bool:
+    """Managed by torch's composable ``replicate()`` (the DDP-based one or torch 2.13's FSDP-based one): both record
+    themselves as "replicate" in the module's composable-API registry."""
+    registry = _get_registry(module)
+    return registry is not None and "replicate" in registry
+
+
 def _collect_params(
     modules: list[nn.Module], ignored: set[int], owner_name: str
 ) -> tuple[list[_ParamEntry], list[tuple[ShardState, nn.Parameter]]]:
@@ -368,6 +376,8 @@ def _collect_params(
         for child_name, child in module._modules.items():
             if child is None:
                 continue
+            if _replicated(child):
+                continue  # torch's replicate() owns its parameters (and their gradient all-reduce), as in FSDP2
             if get_state(child) is not None:
                 for state in states_under(child):
                     for mp in state.unit.params:
@@ -379,6 +389,11 @@ def _collect_params(
             visit(child, prefix + child_name + ".")
 
     for module in modules:
+        if _replicated(module):
+            raise ValueError(
+                f"fully_shard on {owner_name}: this {type(module).__name__} is managed by torch's replicate(); "
+                "shard its submodules or a parent instead (a parent's unit leaves replicate()'s parameters to it)"
+            )
         visit(module, "")
     lifts: list[tuple[ShardState, nn.Parameter]] = []
     for fqn, param, _ in entries.values():

@@ -125,20 +125,25 @@ def dp_mesh_from_dims(mesh: DeviceMesh, dims: DataParallelMeshDims, owner: str) 
             f"fully_shard on {owner}: dp_mesh_dims with several shard dims {shard} is not supported; flatten them "
             f'into one named dim first (mesh[{shard}]._flatten("{"_".join(shard)}")) and name that one'
         )
-    if not shard:
-        raise NotImplementedError(
-            f"fully_shard on {owner}: dp_mesh_dims with replicate= only (pure replication, DDP) is not supported; "
-            "fsdp_compose always shards: name the shard dim(s) too, or use torch's replicate/DDP for this module"
-        )
 
     def one_dim(role: tuple[str, ...]) -> DeviceMesh:
         return mesh[role[0]] if len(role) == 1 else mesh[role]._flatten("_".join(role))
 
+    if not shard:
+        # Pure replication (torch's DDP-style dp_mesh_dims): HSDP with a shard dim of one rank. Parameters stay
+        # whole (Replicate() on the full mesh, as torch places them) and gradients are all-reduced over replicas.
+        replicas = one_dim(replicate)
+        name = replicas.mesh_dim_names[0]  # type: ignore[index]
+        return replicas._unflatten(0, (replicas.size(), 1), (name, f"{name}{_UNSHARDED_SUFFIX}"))
     if not replicate:
         return one_dim(shard)
     if len(shard) == 1 and len(replicate) == 1:
         return mesh[replicate[0], shard[0]]
     return DeviceMesh._concatenate([one_dim(replicate), one_dim(shard)])
+
+
+# The size-1 shard dim fsdp_compose adds under a replicate-only dp_mesh_dims (it never appears in placements).
+_UNSHARDED_SUFFIX = "_fc_unsharded"
 
 
 def _check_composable_dtensor(fqn: str, param: DTensor, owner: str, what: str, zero_dim_fix: str) -> None:
@@ -183,7 +188,8 @@ def spmd_param_placing(
             )
     _check_composable_dtensor(fqn, param, owner, "placement", "keep it a plain tensor or a buffer")
     positions = tuple((names.index(n), "replicate") for n in dims.replicate_names)
-    positions += ((names.index(dims.shard_names[0]), "shard"),)
+    if dims.shard_names:  # replicate= only: the parameter is whole on every data-parallel dim
+        positions += ((names.index(dims.shard_names[0]), "shard"),)
     return ParamPlacing(
         param.shape,
         tuple(param.stride()),

@@ -85,18 +85,21 @@ class _Entry:
     run each of them: that is how a rank knows which units a backward uses before it uses them.
     """
 
-    __slots__ = ("post", "pre")
+    __slots__ = ("always", "post", "pre")
 
     def __init__(self) -> None:
         self.pre: weakref.ref[Any] | None = None
         self.post: weakref.ref[Any] | None = None
+        self.always = False  # no node to ask (outputs under a torch.func transform): taken as run by a backward
 
     def alive(self) -> bool:
-        return self.pre is not None and self.pre() is not None
+        return self.always or (self.pre is not None and self.pre() is not None)
 
     def runs_in_this_backward(self, running: object = None) -> bool:
         """``running``: the node whose backward is running now (autograd does not count a backward's own root
         node among those it will execute)."""
+        if self.always:
+            return True
         node = self.pre() if self.pre is not None else None
         return node is not None and (node is running or bool(torch._C._will_engine_execute_node(node)))
 
@@ -192,14 +195,6 @@ class ShardState:
         self.calls: dict[int, list[_Entry]] = {}  # module id -> entries of calls between pre- and post-forward
         self.full_precision_now = False
         self.incoming_dtype: dict[int, torch.dtype] = {}  # module id -> dtype its inputs had before the cast
-
-    def __repr__(self) -> str:
-        unit = self.unit
-        return (
-            f"<fsdp_compose unit {unit.owner_name}: {len(unit.params)} parameters, "
-            f"{unit.layout.segment_numel} elements per rank over {unit.world_size} ranks, "
-            f"{'root' if self.is_root else 'unit'}, {unit.state.value}>"
-        )
 
     # ------------------------------------------------------------------ hooks registration
     def register_hooks(self) -> None:
@@ -375,8 +370,8 @@ class ShardState:
 
     def _wrap_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], entry: _Entry) -> tuple[Any, Any]:
         needing = _unique(t for t in tensors_in((args, kwargs)) if t.requires_grad)
-        if not needing:
-            return args, kwargs  # nothing to hook: the final callback finishes this call
+        if not needing or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in needing):
+            return args, kwargs  # nothing to hook (or a torch.func transform): the final callback finishes this call
         wrapped = _PostBackward.apply(self, *needing)
         entry.post = weakref.ref(wrapped[0].grad_fn)
         replacement = {id(old): new for old, new in zip(needing, wrapped, strict=True)}
@@ -398,7 +393,10 @@ class ShardState:
             return output  # its pre-forward did not run (e.g. it raised before)
         entry = calls.pop()
         self.active -= 1
-        needing = _unique(t for t in tensors_in(output) if t.requires_grad) if torch.is_grad_enabled() else []
+        found = tensors_in(output) if torch.is_grad_enabled() else []
+        if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in found):
+            return self._hook_transformed_outputs(found, entry, output)
+        needing = _unique(t for t in found if t.requires_grad)
         if needing:
             hooked = _PreBackward.apply(self, *needing)
             entry.pre = weakref.ref(hooked[0].grad_fn)
@@ -411,6 +409,26 @@ class ShardState:
         if self.ctx is not None and self.active == 0:
             self.ctx.end_forward()
         return output
+
+    def _hook_transformed_outputs(self, found: list[torch.Tensor], entry: _Entry, output: Any) -> Any:
+        """Outputs under a ``torch.func`` transform (``jvp``): an autograd Function cannot wrap them, so the plain
+        tensors under them (primal and tangent, whose backward both read the unit's parameters) get tensor hooks,
+        and the call counts as run by every backward until one runs (its reach cannot be asked)."""
+        plain = _unique(p for t in found for p in _autograd_tensors(t) if p.requires_grad)
+        if plain:
+            entry.always = True
+            for tensor in plain:
+                tensor.register_hook(self._pre_backward_hook)
+            self.entries.append(entry)
+            self.opening_needs_backward = True
+        if self.active == 0 and not self.pending_modules:
+            self.close_forward()
+        if self.ctx is not None and self.active == 0:
+            self.ctx.end_forward()
+        return output
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.pre_backward()
 
     def close_forward(self) -> None:
         """The current opening ends: reshard per ``reshard_after_forward`` (always when no output needs grad)."""
@@ -446,6 +464,12 @@ class ShardState:
             with labelled(f"fsdp_compose::post_backward[{self.unit.owner_name}]"):
                 ctx.call_backward_done(self)
 
+    def __repr__(self) -> str:
+        modules = ", ".join(type(m).__name__ for m in self.modules)
+        root = None if self.root is None else self.is_root  # None: decided at the first forward
+        phase = "forward" if self.active else "awaiting_backward" if self.entries else "idle"
+        return f"ShardState([{modules}], root={root}, phase={phase}, unit={self.unit!r})"
+
     # ------------------------------------------------------------------ copy.deepcopy
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardState:
         new = object.__new__(ShardState)
@@ -469,6 +493,24 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         if id(t) not in seen:
             seen.add(id(t))
             found.append(t)
+    return found
+
+
+def _autograd_tensors(output: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors of an output that backward reaches: the output itself, or inside a torch.func transform (``jvp``)
+    the plain tensors under its wrapper, the primal and the tangent. The tangent's backward reads the unit's full
+    parameters too, so it needs the pre-backward hook as much as the primal (a loss on a jvp's tangent)."""
+    if not torch._C._functorch.is_functorch_wrapped_tensor(output):
+        return [output]
+    tensors = [output]
+    tangent = torch.autograd.forward_ad.unpack_dual(output).tangent
+    if tangent is not None:
+        tensors.append(tangent)
+    found = []
+    for tensor in tensors:
+        while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+            tensor = torch._C._functorch.get_unwrapped(tensor)
+        found.append(tensor)
     return found
 
 

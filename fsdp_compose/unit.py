@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -62,6 +64,22 @@ _ALLOWED: dict[UnitState, frozenset[UnitState]] = {
     UnitState.UNSHARDED: frozenset({UnitState.SHARDED, UnitState.GROUP_SHARDED}),
     UnitState.GROUP_SHARDED: frozenset({UnitState.GATHERING, UnitState.SHARDED}),
 }
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _plain_tensors(method: _Method) -> _Method:
+    """Run ``method`` with torch.func's transforms (``jvp``, ``vmap``, ``grad``) switched off: the buffers and full
+    parameters it makes are the unit's own, plain tensors, never wrapped for the transform of the forward that
+    gathers them. Inside the transform the parameters are then constants, as torch's ``fully_shard`` makes them."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._DisableFuncTorch():
+            return method(*args, **kwargs)
+
+    return cast(_Method, run)
 
 
 @dataclass
@@ -189,6 +207,21 @@ class ShardedUnit:
         self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
         self.grads = UnitGradients(self._reduce_spec(), self.params)
 
+    def __repr__(self) -> str:
+        """What this unit is: its modules, mesh, parameters (global and local sizes), dtypes and state."""
+        mesh = self.dp.mesh
+        names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
+        params = self.params
+        local = sum(mp.sharded._local_tensor.numel() for mp in params)
+        total = sum(mp.sharded.numel() for mp in params)
+        dtype = str(self.orig_dtype).removeprefix("torch.")
+        compute = "" if self.policy_param_dtype is None else f", param_dtype={self.policy_param_dtype}"
+        return (
+            f"ShardedUnit({self.owner_name}, mesh={tuple(mesh.shape)} {mesh.device_type}{names}, "
+            f"params={len(params)}, numel={total}, local_numel={local} ({self.shard_device.type}), dtype={dtype}"
+            f"{compute.replace('torch.', '')}, state={self.state.value})"
+        )
+
     # ------------------------------------------------------------------ dtypes
     @property
     def params(self) -> list[ManagedParam]:
@@ -266,6 +299,7 @@ class ShardedUnit:
             self.grads = _rebuilt_gradients(self.grads, self._reduce_spec(), self.params)
 
     # ------------------------------------------------------------------ unshard / reshard
+    @_plain_tensors
     def start_unshard(self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None = None) -> None:
         """Issue the all-gather in ``dtype`` (no-op when already unsharded or gathering).
 
@@ -326,6 +360,7 @@ class ShardedUnit:
         self._pending_gather = _PendingGather(work, gathered, block, encoded=False)
         self._to(UnitState.GATHERING)
 
+    @_plain_tensors
     def finish_unshard(self) -> None:
         """Wait for the all-gather, fill the full parameters and register them on the modules."""
         if self.state is not UnitState.GATHERING:
@@ -417,6 +452,7 @@ class ShardedUnit:
             storage.resize_(needed)
         return mp.full_data
 
+    @_plain_tensors
     def reshard(self) -> None:
         """Register the sharded parameters again and free the full parameters' storage (keeping the objects)."""
         if self.state is UnitState.GATHERING:
@@ -551,16 +587,23 @@ class ShardedUnit:
         new._pending_gather = None
         new._group_block = None
         new._fulls = {}
-        divide_factor = self.grads.divide_factor
         new.grads = UnitGradients(new._reduce_spec(), new.params)
-        new.grads.divide_factor = divide_factor
+        _carry_settings(self.grads, new.grads)
         return new
+
+
+def _carry_settings(old: UnitGradients, new: UnitGradients) -> None:
+    """The user's settings of a gradient side (divide factor, FSDP2's all-reduce hook and unused-parameter mode)."""
+    new.divide_factor = old.divide_factor
+    new.reduced_hook = old.reduced_hook
+    new.reduced_hook_stream = old.reduced_hook_stream
+    new.zero_unused = old.zero_unused
 
 
 def _rebuilt_gradients(old: UnitGradients, spec: ReduceSpec, params: list[ManagedParam]) -> UnitGradients:
     """The gradient side for new dtypes, keeping its settings and the callbacks set on the old one."""
     new = UnitGradients(spec, params)
-    new.divide_factor = old.divide_factor
+    _carry_settings(old, new)
     new.on_finished = old.on_finished
     new.make_room = old.make_room
     return new

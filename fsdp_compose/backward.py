@@ -13,7 +13,6 @@ final callback. Everything that picks a collective during a backward is here:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,11 +26,6 @@ if TYPE_CHECKING:
     from .state import ShardState
 
 __all__ = ["BackwardWalk"]
-
-# On a CPU (gloo) device a wait blocks the host. Waiting for a reduce-scatter to make room for the next buffer is
-# safe once this rank has issued every all-gather of the backward; before that a peer might need one of them first,
-# so the wait polls for at most this long and then lets the buffer stay (memory, never a hang).
-_POLL_SECONDS = 1.0
 
 
 @dataclass
@@ -47,6 +41,8 @@ class BackwardWalk:
     max_reduce_inputs: int  # set_reduce_scatter_max_input_buffers of the root
     device: torch.device
     where: Callable[[ShardState | None], str]  # rank, unit and step position, for internal errors
+    # id -> the gather position the cursor must have passed before a wait for its reduction may block (make_room)
+    wait_after: dict[int, int] = field(default_factory=dict)
     gather_cursor: int = 0
     reduce_cursor: int = 0
     done: set[int] = field(default_factory=set)  # ids finished here (gradients staged or accumulated)
@@ -180,25 +176,20 @@ class BackwardWalk:
         (``set_reduce_scatter_max_input_buffers``, FSDP2's meaning; default 1: the previous reduce-scatter completes
         before the next input is filled, so one input is alive at a time).
 
-        The oldest in flight completes first. On an accelerator a wait only orders streams, so it always waits. On a
-        CPU device a wait blocks the host: it blocks only once this rank has issued every all-gather of the
-        backward (no peer can then be waiting for one of ours); before that it polls for a bounded time.
+        The oldest in flight completes first. On an accelerator a wait only orders streams: it always waits. On a CPU
+        device (gloo completes a reduce-scatter only when it is waited for) a wait blocks the host, and it is safe
+        once this rank has issued every backward all-gather a peer may need before it issues that reduce-scatter:
+        those of the unit and of every unit run after its first call in forward (``wait_after``). Before that the
+        input stays alive (memory, never a hang): in a model run in registration order that never happens.
         """
         self.reap()
-        limit = self.max_reduce_inputs
-        blocking = self.device.type != "cpu" or not self.gathers_left
-        deadline = time.monotonic() + _POLL_SECONDS
-        while len(self.reducing) >= limit:
+        while len(self.reducing) >= self.max_reduce_inputs:
             oldest = self.reducing[0]
-            grads = oldest.unit.grads
-            if blocking:
-                grads.advance()
-            else:
-                while not grads.reduce_scatter_done() and time.monotonic() < deadline:
-                    time.sleep(0)
-                if not grads.reduce_scatter_done():
-                    return  # a peer may still need our all-gathers: let the buffer stay
-                grads.advance()
+            if self.device.type == "cpu" and self.gather_cursor <= self.wait_after.get(
+                id(oldest), len(self.gather_order)
+            ):
+                return
+            oldest.unit.grads.advance()
             self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
 
     def complete(self) -> None:

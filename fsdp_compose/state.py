@@ -85,9 +85,10 @@ class _Entry:
     run each of them: that is how a rank knows which units a backward uses before it uses them.
     """
 
-    __slots__ = ("always", "post", "pre")
+    __slots__ = ("always", "post", "pre", "seq")
 
-    def __init__(self) -> None:
+    def __init__(self, seq: int = 0) -> None:
+        self.seq = seq  # the root's count of calls in this step when this one began: forward order
         self.pre: weakref.ref[Any] | None = None
         self.post: weakref.ref[Any] | None = None
         self.always = False  # no node to ask (outputs under a torch.func transform): taken as run by a backward
@@ -306,7 +307,8 @@ class ShardState:
             self._open(module, compute_dtype)  # first call of this unit since it closed, or a module run again
         self.pending_modules.discard(id(module))
         self.active += 1
-        entry = _Entry()
+        ctx = self.root_ctx
+        entry = _Entry(ctx.next_call_number() if ctx is not None else 0)
         self.calls.setdefault(id(module), []).append(entry)
         args, kwargs = self._cast_inputs(module, args, kwargs, compute_dtype)
         if torch.is_grad_enabled():

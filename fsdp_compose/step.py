@@ -85,6 +85,7 @@ class StepContext:
         self.schedule = StepSchedule(root, states)
         self.phase = StepPhase.IDLE
         self.backward: BackwardWalk | None = None
+        self.calls_seen = 0  # forward calls of units so far (their order: see _wait_after)
         # The last backward left no-sync gradients in accumulation buffers (decided from settings, so it is the same
         # on every rank), and the backward that reduces them "drains" the window (see begin_backward).
         self.gradients_held = False
@@ -97,6 +98,10 @@ class StepContext:
     @property
     def in_backward(self) -> bool:
         return self.backward is not None
+
+    def next_call_number(self) -> int:
+        self.calls_seen += 1
+        return self.calls_seen
 
     def _where(self, state: ShardState | None = None) -> str:
         """Rank, unit and schedule position, for internal errors."""
@@ -203,6 +208,7 @@ class StepContext:
             max_reduce_inputs=self.root.max_reduce_inputs,
             device=self.root.device,
             where=self._where,
+            wait_after=_wait_after(gather_order),
         )
         self.phase = StepPhase.BACKWARD
         Variable._execution_engine.queue_callback(self._final_callback)
@@ -323,6 +329,24 @@ class StepContext:
                 f"other ranks ran its backward (abandoning: {quitting}): no gradient of it is kept on any rank. Skip "
                 "the step on every rank (the next forward starts a new one)"
             )
+
+
+def _wait_after(gather_order: list[ShardState]) -> dict[int, int]:
+    """Per participant ``v``: the last gather position among ``v`` and every participant with a forward call after
+    ``v``'s first one (its backward may come before ``v``'s gradients are complete, on any rank)."""
+    first = {id(s): min((e.seq for e in s.entries), default=-1) for s in gather_order}
+    last = {id(s): max((e.seq for e in s.entries), default=-1) for s in gather_order}
+    result = {}
+    for state in gather_order:
+        if first[id(state)] < 0:
+            result[id(state)] = len(gather_order)  # no call recorded here: wait only once every gather is out
+            continue
+        result[id(state)] = max(
+            position
+            for position, other in enumerate(gather_order)
+            if other is state or last[id(other)] > first[id(state)]
+        )
+    return result
 
 
 def _ranks_in(root: ShardState) -> int:

@@ -18,15 +18,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .api import get_state
 from .extensions import ShardExtensions
 from .flat import MOVED_ATTR, OWNER_ATTR
+from .fsdp2 import bind_fsdp2_methods
 from .meshes import (
-    PostForwardGroup,
     check_dp_mesh,
-    check_post_forward_size,
     dp_mesh_from_dims,
     param_placing,
-    post_forward_group,
+    post_forward_group_for,
+    reshard_after_forward_setting,
     spmd_param_placing,
 )
 from .offload import check_offload_policy
@@ -43,20 +44,13 @@ from .unit import ShardedUnit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fully_shard", "get_state", "post_forward_group_for", "reshard_after_forward_setting"]
+__all__ = ["fully_shard"]
 
 # The argument's own type comes back (``fully_shard(model)`` is typed as the model's class, a list of Linear as that
 # list); at run time a sequence must be a list or tuple.
 ModuleOrList = TypeVar("ModuleOrList", bound="nn.Module | Sequence[nn.Module]")
 
 _ParamEntry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
-
-
-def get_state(module: nn.Module) -> ShardState | None:
-    """The state ``fully_shard`` attached to this module instance, or None."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
-    return module.__dict__.get(STATE_ATTR)
 
 
 def fully_shard(
@@ -178,8 +172,6 @@ def fully_shard(
         m.__dict__[STATE_ATTR] = state
     state.register_hooks()
     if fsdp2_methods:
-        from .fsdp2 import bind_fsdp2_methods  # fsdp2.py builds on api.py, which imports this module
-
         for m in modules:
             bind_fsdp2_methods(m, recurse=False)
     if logger.isEnabledFor(logging.DEBUG):
@@ -206,33 +198,6 @@ def _precision_text(policy: MixedPrecisionPolicy) -> str:
 
 
 # ---------------------------------------------------------------------- validation
-def reshard_after_forward_setting(
-    value: object, mesh: DeviceMesh, owner: str, *, allow_none: bool = True
-) -> bool | int | None:
-    """Check ``reshard_after_forward`` and normalize it: an int that equals the shard group's size is True, 1 is
-    False (every rank keeps everything); any other int stays (a post-forward group of that size)."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, int):
-        raise TypeError(f"reshard_after_forward for {owner} must be None, a bool or an int, got {value!r}")
-    shard_size = mesh.size(mesh.ndim - 1)
-    check_post_forward_size(value, shard_size, owner)
-    if value == shard_size:
-        return True
-    if value == 1:
-        return False
-    return value
-
-
-def post_forward_group_for(setting: bool | int | None, mesh: DeviceMesh) -> PostForwardGroup | None:
-    """The group an int setting (normalized, so ``1 < k < W``) reshards to after forward; None for the others."""
-    if isinstance(setting, int) and not isinstance(setting, bool):
-        return post_forward_group(mesh, setting)
-    return None
-
-
 def _as_module_list(module: Any) -> list[nn.Module]:
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:

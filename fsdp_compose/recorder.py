@@ -160,6 +160,14 @@ class CollectiveRecorder:
         """Calls per kind (``functional``: only those through functional collectives, or only the others)."""
         return Counter(r.kind for r in self.records if functional is None or r.functional is functional)
 
+    def bytes_per_kind(self, *, functional: bool | None = None) -> Counter[str]:
+        """Bytes per kind (``functional`` as in :meth:`counts`)."""
+        totals: Counter[str] = Counter()
+        for r in self.records:
+            if functional is None or r.functional is functional:
+                totals[r.kind] += r.nbytes
+        return totals
+
     def summary(self) -> dict[str, dict[str, dict[str, int]]]:
         """``{kind: {group: {"calls": n, "bytes": b}}}``, kinds sorted."""
         result: dict[str, dict[str, dict[str, int]]] = {}

@@ -18,7 +18,6 @@ from transformers import trainer as transformers_trainer
 from transformers.distributed import DistributedConfig
 
 import fsdp_compose as fc
-from tests.integration.counting import CollectiveCounter
 from tests.integration.launch import finish_rank
 
 VARIANT = sys.argv[1]
@@ -74,7 +73,7 @@ args = TrainingArguments(
     disable_tqdm=True,
 )
 trainer = Trainer(model=model, args=args, train_dataset=Tokens())
-counter = CollectiveCounter()
+counter = fc.CollectiveRecorder()
 with counter:
     result = trainer.train()
 losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
@@ -82,7 +81,7 @@ params = [p.full_tensor().flatten()[:8].tolist() for p in model.parameters()]
 finish_rank(
     {
         "loss": losses,
-        "reduce_scatters": counter.counts["reduce_scatter"],
+        "reduce_scatters": counter.counts()["reduce_scatter"],
         "params": params,
         "wrapped": type(trainer.model_wrapped).__name__,
     }

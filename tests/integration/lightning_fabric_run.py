@@ -18,7 +18,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp_compose as fc
-from tests.integration.counting import CollectiveCounter
 from tests.integration.launch import finish_rank
 
 VARIANT = sys.argv[1]
@@ -53,7 +52,7 @@ model = fabric.setup_module(model)
 optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
 losses, reduce_scatters = [], []
 for step in range(3):
-    counter = CollectiveCounter()
+    counter = fc.CollectiveRecorder()
     with counter:
         for micro in range(2):  # gradient accumulation: the first micro-batch without gradient sync
             gen = torch.Generator().manual_seed(10 * step + micro)
@@ -64,7 +63,7 @@ for step in range(3):
                 fabric.backward(loss)
     optimizer.step()
     optimizer.zero_grad()
-    reduce_scatters.append(counter.counts["reduce_scatter"])
+    reduce_scatters.append(counter.counts()["reduce_scatter"])
     losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
 params = [p.full_tensor().flatten().tolist() for p in model.parameters()]
 finish_rank({"loss": losses, "reduce_scatters": reduce_scatters, "params": params})

@@ -81,6 +81,8 @@ def fully_shard(
     ``dp_mesh_dims``: ``mesh`` is then the full SPMD mesh and names which of its dims are data-parallel (see
     ``DataParallelMeshDims``). ``fsdp2_methods=True`` also binds FSDP2's method names on the module instance
     (``module.set_requires_gradient_sync(False)``, ``module.unshard()``...; see ``fc.bind_fsdp2_methods``).
+    ``ignored_params``: parameters left alone (not sharded, cast, moved nor reduced); as in torch, one model-wide set
+    may go to every call, each call ignoring those under its modules.
 
     Returns the same object(s) it was given.
     """
@@ -246,8 +248,14 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def _ignored_ids(ignored_params: object, modules: list[nn.Module], owner_name: str) -> set[int]:
-    """Ids of the parameters to leave alone: one ``nn.Parameter`` or an iterable of them, each a parameter of
-    ``modules`` (a detached copy, ``p.data`` or another module's parameter would silently not be ignored)."""
+    """Ids of the parameters under ``modules`` to leave alone, from one ``nn.Parameter`` or an iterable of them.
+
+    Torch's semantics: the same model-wide set may go to every ``fully_shard`` call, and each call ignores the
+    parameters of that set that are under its modules; the others are not its concern. Refused, because the caller
+    meant a parameter of these modules that would then silently be sharded: a tensor that is not an ``nn.Parameter``
+    (``p.detach()``, ``p.data``), and a parameter that is not one of the modules' but is the very same memory as one
+    of them (``nn.Parameter(p.data)``).
+    """
     if ignored_params is None:
         return set()
     if isinstance(ignored_params, torch.Tensor) and not isinstance(ignored_params, nn.Parameter):
@@ -264,7 +272,9 @@ def _ignored_ids(ignored_params: object, modules: list[nn.Module], owner_name: s
         )
     else:
         entries = list(ignored_params)
-    owned = {id(p): name for m in modules for name, p in m.named_parameters(remove_duplicate=False)}
+    owned = {id(p) for m in modules for _, p in m.named_parameters(remove_duplicate=False)}
+    same_memory: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] | None = None
+    ignored: set[int] = set()
     for index, entry in enumerate(entries):
         if not isinstance(entry, nn.Parameter):
             what = _tensor_text(entry) if isinstance(entry, torch.Tensor) else type(entry).__name__
@@ -273,13 +283,39 @@ def _ignored_ids(ignored_params: object, modules: list[nn.Module], owner_name: s
                 f"ignored_params of fully_shard on {owner_name}: entry {index} is a {what}, not an "
                 f"nn.Parameter{hint}; pass the module's parameters themselves"
             )
-        if id(entry) not in owned:
+        if id(entry) in owned:
+            ignored.add(id(entry))
+            continue
+        if same_memory is None:
+            same_memory = _parameter_memory(modules)
+        name = same_memory.get(_memory_key(entry)) if _has_memory(entry) else None
+        if name is not None:
             raise ValueError(
                 f"ignored_params of fully_shard on {owner_name}: entry {index} ({_tensor_text(entry)}) is not a "
-                f"parameter of {owner_name}{_alias_hint(entry, modules)}; pass parameters of the module being "
-                "sharded (e.g. {module.side.weight})"
+                f"parameter of {owner_name} but the same memory as its parameter '{name}' (an nn.Parameter made "
+                "from its .data?); pass the module's parameter itself"
             )
-    return {id(p) for p in entries}
+        # a parameter of another module: one model-wide set serves every fully_shard call
+    return ignored
+
+
+def _has_memory(tensor: torch.Tensor) -> bool:
+    return not tensor.is_meta and not isinstance(tensor, DTensor) and tensor.data_ptr() != 0
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Where a tensor's elements are: two distinct tensors with equal keys are the same memory, element for element
+    (views of one flat buffer at different offsets are not)."""
+    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def _parameter_memory(modules: list[nn.Module]) -> dict[tuple[int, tuple[int, ...], tuple[int, ...]], str]:
+    return {
+        _memory_key(p): name
+        for m in modules
+        for name, p in m.named_parameters(remove_duplicate=False)
+        if _has_memory(p)
+    }
 
 
 def _tensor_text(tensor: torch.Tensor) -> str:

@@ -46,7 +46,7 @@ from benchmarks.accumulation import AccumArgs, parse_args, run_window, warmed_up
 from benchmarks.memory import LiveBytesCounter, live_storage_keys, storages_of, tensors_since  # noqa: E402
 from benchmarks.report import MIB  # noqa: E402
 
-_SITES = ("fsdp_compose/", "torch/distributed/fsdp/", "examples/gpt_model", "torch/autograd/")
+_SITES = ("fsdp_compose/", "torch/distributed/fsdp/", "fsdp_compose/plan/gpt.py", "torch/autograd/")
 
 
 _GENERIC = ("allocate", "__call__", "_fn", "wrapper")
@@ -173,7 +173,7 @@ _CATEGORIES = (  # (substring of the label, category), first match wins
     ("start_unshard", "all-gather output / input"),
     ("< foreach_all_gather", "all-gather output / input"),
     ("_get_param_all_gather_inputs", "all-gather output / input"),
-    ("examples/gpt_model", "activations (forward)"),
+    ("fsdp_compose/plan/gpt.py", "activations (forward)"),
     ("torch/autograd/", "autograd backward (activation and parameter gradients)"),
 )
 

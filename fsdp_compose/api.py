@@ -15,8 +15,7 @@ import torch
 import torch.nn as nn
 
 from .meshes import post_forward_group_for, reshard_after_forward_setting
-from .state import STATE_ATTR, GradientAccumulation, ShardState, UnitPhase, states_under
-from .unit import UnitState
+from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
 
 __all__ = [
     "UnshardHandle",
@@ -348,11 +347,11 @@ def refresh_trainable(module: nn.Module) -> None:
 
 
 class _UnshardingMethod:
-    """Instance attribute standing in for a method: the module's own unit is gathered around it.
+    """Instance attribute standing in for a method: the call runs as a call of the module's unit, as ``forward`` does.
 
-    Not a forward of its own: a method such as ``generate`` calls the module's forward many times, and each of those
-    runs as any forward does (the first consumes this gather). What the gather adds is the parameters the method
-    uses outside forward (an encoder run directly, an embedding read by the method)."""
+    The unit is gathered around it (if it is not already), its inputs and outputs are hooked the same way, so a loss
+    on the method's outputs trains the unit; forwards the method runs inside (``generate`` calls ``forward``) enter
+    the unit again, which costs nothing while it is gathered."""
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
@@ -361,16 +360,15 @@ class _UnshardingMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = _require_state(self.module, self.name)
         method = getattr(type(self.module), self.name)
-        if state.phase is not UnitPhase.IDLE:  # called inside a forward or backward: gathered already
-            return method(self.module, *args, **kwargs)
-        if state.root is None:
-            state.lazy_init()  # this module is the root, as at a first forward (not a submodule the method calls)
-        unshard(self.module)
+        hooked = state.pre_forward(self.module, args, kwargs)
+        if hooked is not None:
+            args, kwargs = hooked
+        output = None
         try:
-            return method(self.module, *args, **kwargs)
+            output = method(self.module, *args, **kwargs)
         finally:
-            if state.phase is UnitPhase.IDLE and state.unit.state is not UnitState.SHARDED:
-                state.unit.reshard()
+            output = state.post_forward(self.module, args, output)
+        return output
 
 
 def register_forward_method(module: nn.Module, name: str) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.profiler import record_function
 
-__all__ = ["Work", "all_gather_flat", "all_reduce", "labelled", "reduce_scatter_flat"]
+__all__ = ["Work", "all_gather_flat", "all_reduce", "all_reduce_max", "labelled", "reduce_scatter_flat"]
 
 
 class Work(Protocol):
@@ -76,3 +76,8 @@ def labelled(name: str) -> contextlib.AbstractContextManager[Any]:
     """
     enabled = torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
     return record_function(name) if enabled else contextlib.nullcontext()
+
+
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Element-wise maximum of ``tensor`` over ranks, in place (blocking: a step's agreement, a few integers)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

@@ -143,7 +143,10 @@ def _set_reduce_scatter_unused_params(
 def _set_reduce_scatter_max_input_buffers(module: nn.Module, max_input_buffers: int, *, recurse: bool = True) -> None:
     if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
         raise ValueError(f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got {max_input_buffers!r}")
-    api._states(module, recurse, "set_reduce_scatter_max_input_buffers")  # one reduction in flight, fixed
+    for state in api._states(module, recurse, "set_reduce_scatter_max_input_buffers"):
+        state.max_reduce_inputs = (
+            max_input_buffers  # read on the root: reduce-scatter inputs alive beside the one filled
+        )
 
 
 def _set_separate_reduce_scatter_group(module: nn.Module, enable: bool = True, *, recurse: bool = True) -> None:

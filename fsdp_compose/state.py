@@ -29,46 +29,30 @@ regions (``torch.compiler.disable``): they issue collectives and swap parameters
 from __future__ import annotations
 
 import copy
-import enum
 import logging
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import labelled
 from .policies import MixedPrecisionPolicy
+from .pytrees import map_tensors, tensors_in
 from .step import StepContext, check_not_compiled_autograd, in_backward
-from .transitions import checked
 from .unit import ShardedUnit, UnitState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STATE_ATTR", "GradientAccumulation", "ShardState", "UnitPhase", "states_under"]
+__all__ = ["STATE_ATTR", "GradientAccumulation", "ShardState", "states_under"]
 
 GradientAccumulation = Literal["unsharded", "sharded"]
 
 # Name of the instance attribute holding the state. A constant name, not a registry: the state lives and dies with
 # the module (and is copied with it by copy.deepcopy).
 STATE_ATTR = "_fsdp_compose_state"
-
-
-class UnitPhase(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    AWAITING_BACKWARD = "awaiting_backward"  # forward done, some output needs grad
-    BACKWARD = "backward"  # unsharded for backward; a forward now is an activation-checkpoint recompute
-
-
-_ALLOWED: dict[UnitPhase, frozenset[UnitPhase]] = {
-    UnitPhase.IDLE: frozenset({UnitPhase.FORWARD, UnitPhase.BACKWARD}),
-    UnitPhase.FORWARD: frozenset({UnitPhase.AWAITING_BACKWARD, UnitPhase.IDLE}),
-    UnitPhase.AWAITING_BACKWARD: frozenset({UnitPhase.BACKWARD, UnitPhase.FORWARD, UnitPhase.IDLE}),
-    UnitPhase.BACKWARD: frozenset({UnitPhase.IDLE, UnitPhase.FORWARD}),
-}
 
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
@@ -92,17 +76,59 @@ def states_under(module: nn.Module) -> list[ShardState]:
     return found
 
 
+class _Entry:
+    """One forward call of one of a unit's modules whose outputs need gradients: what its backward will run.
+
+    It holds the two autograd nodes the unit added around the call weakly (a forward nobody runs backward for frees
+    its graph as usual): ``pre`` on the outputs (its backward is the unit's pre-backward) and ``post`` on the inputs
+    (its backward runs once the unit's backward is done). Autograd tells, at the start of a backward, whether it will
+    run each of them: that is how a rank knows which units a backward uses before it uses them.
+    """
+
+    __slots__ = ("post", "pre")
+
+    def __init__(self) -> None:
+        self.pre: weakref.ref[Any] | None = None
+        self.post: weakref.ref[Any] | None = None
+
+    def runs_in_this_backward(self, running: object = None) -> bool:
+        """``running``: the node whose backward is running now (autograd does not count a backward's own root
+        node among those it will execute)."""
+        node = self.pre() if self.pre is not None else None
+        return node is not None and (node is running or bool(torch._C._will_engine_execute_node(node)))
+
+    def post_backward_runs(self) -> bool:
+        node = self.post() if self.post is not None else None
+        return node is not None and bool(torch._C._will_engine_execute_node(node))
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs whose backward runs before the unit's own: gather its parameters for it.
+
+    The outputs are detached aliases, not views, so a caller may still modify them in place."""
+
+    @staticmethod
+    def forward(ctx: Any, state: ShardState, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tuple(t.detach() for t in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.pre_backward(ctx)
+        return (None, *grads)
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs whose backward runs once all their gradients are computed.
 
-    By then the unit's own backward is done (its ops consumed those inputs), so its parameter gradients can be
-    reduced and its full parameters freed — layer by layer, not at the end of backward.
+    By then the unit's own backward for this call is done (its ops consumed those inputs), so once every call's is,
+    its parameter gradients can be reduced and its full parameters freed — layer by layer, not at the end of backward.
     """
 
     @staticmethod
     def forward(ctx: Any, state: ShardState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
-        return inputs
+        return tuple(t.detach() for t in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -111,7 +137,7 @@ class _PostBackward(torch.autograd.Function):
 
 
 class ShardState:
-    """Everything one ``fully_shard`` call attached: its modules, its unit, its settings and its phase."""
+    """Everything one ``fully_shard`` call attached: its modules, its unit, its settings and this step's entries."""
 
     def __init__(
         self,
@@ -137,8 +163,9 @@ class ShardState:
         self.gradient_accumulation: GradientAccumulation = "unsharded"
         self.requires_all_reduce = True  # HSDP: all-reduce over replicas after the reduce-scatter
         self.full_precision_in_eval = False
-        self.collective_checks = False  # fc.set_collective_checks: read on the root
-        # Prefetch targets set with fc.set_modules_to_*_prefetch (None: implicit, from the recorded forward order).
+        self.collective_checks = False  # fc.set_collective_checks: any unit under a root turns them on for it
+        self.max_reduce_inputs = 1  # set_reduce_scatter_max_input_buffers: read on the root
+        # Prefetch targets set with fc.set_modules_to_*_prefetch (None: implicit, from the declared schedule).
         self.forward_prefetch: list[ShardState] | None = None
         self.backward_prefetch: list[ShardState] | None = None
         # Set at lazy init.
@@ -146,18 +173,30 @@ class ShardState:
         self.ctx: StepContext | None = None  # on the root only
         # Full parameters kept across the last (no-sync) backward by reshard_after_backward=False.
         self.kept_unsharded = False
+        self.entries: list[_Entry] = []  # forward calls whose backward has not run yet
         self.reset_step()
 
     def reset_step(self) -> None:
-        self.phase = UnitPhase.IDLE
-        self.full_precision_now = False
-        self.forward_pending: set[int] = set()  # ids of this state's modules whose forward has not run yet
-        self.incoming_dtype: dict[int, torch.dtype] = {}  # module id -> dtype its inputs had before the cast
-        self.post_backward_pending = False
-        self.reduce_issued = False  # this unit's reduce-scatter went out in this backward
+        """Forget this step's forward: entries, open calls, casts."""
+        self.entries = []
+        self.reset_forward()
 
-    def _to(self, new: UnitPhase) -> None:
-        self.phase = checked(self.phase, new, _ALLOWED, f"{self.unit.owner_name}'s phase")
+    def reset_forward(self) -> None:
+        self.active = 0  # calls of this unit's modules inside their forward right now
+        self.opened = False  # gathered for forward; closes when every module ran (or at the root's end of forward)
+        self.opening_needs_backward = False  # some call of the current opening returned outputs that need grad
+        self.pending_modules: set[int] = set()  # list form: modules not yet run in the current opening
+        self.calls: dict[int, list[_Entry]] = {}  # module id -> entries of calls between pre- and post-forward
+        self.full_precision_now = False
+        self.incoming_dtype: dict[int, torch.dtype] = {}  # module id -> dtype its inputs had before the cast
+
+    def __repr__(self) -> str:
+        unit = self.unit
+        return (
+            f"<fsdp_compose unit {unit.owner_name}: {len(unit.params)} parameters, "
+            f"{unit.layout.segment_numel} elements per rank over {unit.world_size} ranks, "
+            f"{'root' if self.is_root else 'unit'}, {unit.state.value}>"
+        )
 
     # ------------------------------------------------------------------ hooks registration
     def register_hooks(self) -> None:
@@ -190,8 +229,11 @@ class ShardState:
         return self.requires_gradient_sync or self.gradient_accumulation == "sharded"
 
     @property
-    def in_backward_phase(self) -> bool:
-        return self.phase is UnitPhase.BACKWARD
+    def gradients_final(self) -> bool:
+        """This backward delivers final gradients (an optimizer step may follow): synced, and all-reduced over
+        replicas where there are any."""
+        replicas = self.unit.dp.replicate_group is not None
+        return self.requires_gradient_sync and (self.requires_all_reduce or not replicas)
 
     def lazy_init(self) -> None:
         """Become the root of every state below this one. Checks run first, so a bad model fails before a collective."""
@@ -210,6 +252,11 @@ class ShardState:
         self.ctx = StepContext(self, states)
         logger.debug("lazy init: root %s with %d units", self.unit.owner_name, len(states))
 
+    @property
+    def root_ctx(self) -> StepContext | None:
+        root = self.root
+        return root.ctx if root is not None else None
+
     # ------------------------------------------------------------------ gathering
     def compute_dtype(self, module: nn.Module) -> torch.dtype:
         if self.full_precision_in_eval and not module.training:
@@ -219,8 +266,8 @@ class ShardState:
     @property
     def gather_stream(self) -> torch.Stream | None:
         """The root's side stream for all-gather copy-in (None on a CPU device or before lazy init)."""
-        root = self.root
-        return root.ctx.gather_stream if root is not None and root.ctx is not None else None
+        ctx = self.root_ctx
+        return ctx.gather_stream if ctx is not None else None
 
     def start_gather(self, *, async_op: bool) -> None:
         """Issue this unit's all-gather in its compute dtype, if it needs one."""
@@ -237,40 +284,42 @@ class ShardState:
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        with labelled("fsdp_compose::pre_forward"):
+        with labelled(f"fsdp_compose::pre_forward[{self.unit.owner_name}]"):
             return self._pre_forward(module, args, kwargs)
 
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        backward_running = in_backward()
-        if backward_running and self.phase in (UnitPhase.BACKWARD, UnitPhase.AWAITING_BACKWARD):
-            # Activation-checkpoint recompute: cast exactly as the first forward did. A unit recomputed before its
-            # own pre-backward hook fired (a checkpoint around an enclosing module) starts its backward here, at the
-            # cursor's turn: a recompute that re-gathered as a forward would reshard after it, and gather again
-            # at the pre-backward, an all-gather after this rank's last scheduled one.
-            if self.phase is UnitPhase.AWAITING_BACKWARD:
-                self._begin_unit_backward()  # gathers it
+        if in_backward():
+            # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
+            # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
+            ctx = self.root_ctx
+            if ctx is not None:
+                ctx.gather_for_backward(self)
             else:
                 self.gather_now()
             return self._cast_inputs(module, args, kwargs, self.compute_dtype(module))
         if self.root is None:
             self.lazy_init()
-        first = not self.forward_pending or id(module) not in self.forward_pending
-        if first and self.ctx is not None and not backward_running:
-            args, kwargs = self.ctx.begin_step(args, kwargs)
+        if self.ctx is not None and self.active == 0:
+            args, kwargs = self.ctx.begin_forward(args, kwargs)
         compute_dtype = self.compute_dtype(module)
-        if not first:
-            # list form: another module of this call gathered the unit already
-            self.forward_pending.discard(id(module))
-            return self._cast_inputs(module, args, kwargs, compute_dtype)
-        self.forward_pending = {id(m) for m in self.modules}
-        self.forward_pending.discard(id(module))
-        self._to(UnitPhase.FORWARD)
-        self.full_precision_now = self.full_precision_in_eval and not module.training
+        if not self.opened or id(module) not in self.pending_modules:
+            self._open(module, compute_dtype)  # first call of this unit since it closed, or a module run again
+        self.pending_modules.discard(id(module))
+        self.active += 1
+        entry = _Entry()
+        self.calls.setdefault(id(module), []).append(entry)
+        args, kwargs = self._cast_inputs(module, args, kwargs, compute_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = self._wrap_inputs(args, kwargs, entry)
+        return args, kwargs
+
+    def _open(self, module: nn.Module, compute_dtype: torch.dtype) -> None:
+        """Gather the unit for forward (a no-op when it is gathered already) and prefetch the next in the schedule."""
         unit = self.unit
-        # Kept unsharded since an in-place update, or gathered in another precision: gather again. (A unit being
-        # prefetched right now was gathered after any update: only its precision can be wrong.)
+        self.full_precision_now = self.full_precision_in_eval and not module.training
+        # Kept unsharded since an in-place update, or gathered in another precision: gather again.
         stale = unit.is_unsharded and unit.is_stale()
         if unit.state is not UnitState.SHARDED and (stale or unit.compute_dtype != compute_dtype):
             unit.reshard()
@@ -279,28 +328,33 @@ class ShardState:
         self.kept_unsharded = False
         unit.start_unshard(compute_dtype, async_op=False, stream=self.gather_stream)
         unit.finish_unshard()
-        root = self.root
-        if root is not None and root.ctx is not None and not backward_running:
-            root.ctx.record_forward(self)
-            targets = self.forward_prefetch if self.forward_prefetch is not None else root.ctx.next_in_forward(self)
+        self.opened = True
+        self.opening_needs_backward = False
+        self.pending_modules = {id(m) for m in self.modules}
+        ctx = self.root_ctx
+        if ctx is not None and not ctx.in_backward:
+            if self.forward_prefetch is not None:
+                targets = self.forward_prefetch
+            else:
+                following = ctx.schedule.next_after(self)
+                targets = [] if following is None else [following]
             for target in targets:
-                target.start_gather(async_op=True)
-        args, kwargs = self._cast_inputs(module, args, kwargs, compute_dtype)
-        if torch.is_grad_enabled():
-            args, kwargs = self._wrap_inputs(args, kwargs)
-        return args, kwargs
+                if not target.opened:
+                    target.start_gather(async_op=True)
 
     def _cast_inputs(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if dtype == self.unit.orig_dtype or not self.mp_policy.cast_forward_inputs:
             return args, kwargs
-        leaves, spec = tree_flatten((args, kwargs))
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
+
+        def cast(leaf: torch.Tensor) -> torch.Tensor:
+            if leaf.is_floating_point() and leaf.dtype != dtype:
                 self.incoming_dtype.setdefault(id(module), leaf.dtype)
-                leaves[i] = leaf.to(dtype)
-        new_args, new_kwargs = tree_unflatten(leaves, spec)
+                return leaf.to(dtype)
+            return leaf
+
+        new_args, new_kwargs = map_tensors(cast, (args, kwargs))
         return new_args, new_kwargs
 
     def _cast_outputs(self, module: nn.Module, output: Any) -> Any:
@@ -314,101 +368,80 @@ class ShardState:
             dtype = incoming
         if dtype is None:
             return output
-        return tree_map(lambda v: _cast_floating(v, dtype), output)
+        return map_tensors(lambda v: _cast_floating(v, dtype), output)
 
-    def _wrap_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        leaves, spec = tree_flatten((args, kwargs))
-        positions = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.requires_grad]
-        if not positions:
-            return args, kwargs  # nothing to hook: the final callback finishes this unit
-        wrapped = _PostBackward.apply(self, *(leaves[i] for i in positions))
-        for i, tensor in zip(positions, wrapped, strict=True):
-            leaves[i] = tensor
-        new_args, new_kwargs = tree_unflatten(leaves, spec)
+    def _wrap_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], entry: _Entry) -> tuple[Any, Any]:
+        needing = _unique(t for t in tensors_in((args, kwargs)) if t.requires_grad)
+        if not needing:
+            return args, kwargs  # nothing to hook: the final callback finishes this call
+        wrapped = _PostBackward.apply(self, *needing)
+        entry.post = weakref.ref(wrapped[0].grad_fn)
+        replacement = {id(old): new for old, new in zip(needing, wrapped, strict=True)}
+        new_args, new_kwargs = map_tensors(lambda t: replacement.get(id(t), t), (args, kwargs))
         return new_args, new_kwargs
 
     @_outside_compile
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        """Also runs when forward raised (``always_call``): ``output`` is then None and the unit just reshards."""
-        with labelled("fsdp_compose::post_forward"):
+        """Also runs when forward raised (``always_call``): ``output`` is then None and the call just ends."""
+        with labelled(f"fsdp_compose::post_forward[{self.unit.owner_name}]"):
             return self._post_forward(module, output)
 
     def _post_forward(self, module: nn.Module, output: Any) -> Any:
-        if self.phase is UnitPhase.BACKWARD and in_backward():
-            return self._cast_outputs(module, output)  # activation-checkpoint recompute
         output = self._cast_outputs(module, output)
-        if self.phase is not UnitPhase.FORWARD:
-            return output  # its pre-forward did not run (e.g. it raised before) or a list module already closed
-        self.forward_pending.discard(id(module))
-        if self.forward_pending:
-            return output  # list form: the other modules of this call have not run yet
-        # Outputs that need no gradient (no_grad, or a method that disables grad inside) mean no backward will
-        # come through this unit: reshard even where reshard_after_forward says keep (the root, by default).
-        grad_outputs = [
-            leaf
-            for leaf in tree_flatten(output)[0]
-            if torch.is_grad_enabled() and isinstance(leaf, torch.Tensor) and leaf.requires_grad
-        ]
-        if not grad_outputs:
-            self.unit.reshard()
-            self._to(UnitPhase.IDLE)
-        else:
-            if self.reshard_after_forward:
-                if self.unit.post_forward is not None:
-                    self.unit.reshard_to_group()
-                else:
-                    self.unit.reshard()
-            for leaf in grad_outputs:
-                leaf.register_hook(self._pre_backward)
-            self._to(UnitPhase.AWAITING_BACKWARD)
-        if self.ctx is not None:
-            self.ctx.end_forward(expects_backward=bool(grad_outputs))
+        if in_backward():
+            return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
+        calls = self.calls.get(id(module))
+        if not calls or self.active == 0:
+            return output  # its pre-forward did not run (e.g. it raised before)
+        entry = calls.pop()
+        self.active -= 1
+        needing = _unique(t for t in tensors_in(output) if t.requires_grad) if torch.is_grad_enabled() else []
+        if needing:
+            hooked = _PreBackward.apply(self, *needing)
+            entry.pre = weakref.ref(hooked[0].grad_fn)
+            replacement = {id(old): new for old, new in zip(needing, hooked, strict=True)}
+            output = map_tensors(lambda t: replacement.get(id(t), t), output)
+            self.entries.append(entry)
+            self.opening_needs_backward = True
+        if self.active == 0 and not self.pending_modules:
+            self.close_forward()
+        if self.ctx is not None and self.active == 0:
+            self.ctx.end_forward()
         return output
+
+    def close_forward(self) -> None:
+        """The current opening ends: reshard per ``reshard_after_forward`` (always when no output needs grad)."""
+        if not self.opened:
+            return
+        self.opened = False
+        self.pending_modules = set()
+        if not self.opening_needs_backward:
+            self.unit.reshard()
+        elif self.reshard_after_forward:
+            if self.unit.post_forward is not None:
+                self.unit.reshard_to_group()
+            else:
+                self.unit.reshard()
 
     # ------------------------------------------------------------------ backward
     @_outside_compile
-    def _pre_backward(self, grad: torch.Tensor) -> None:
-        with labelled("fsdp_compose::pre_backward"):
-            if self.phase is UnitPhase.BACKWARD:
-                return  # another output of this unit (or its recompute started its backward): already gathered
-            self._begin_unit_backward()
-
-    def _begin_unit_backward(self) -> None:
-        check_not_compiled_autograd(self.unit.owner_name)
-        root = self.root
-        if root is not None and root.ctx is not None:
-            root.ctx.begin_backward()
-            root.ctx.gather_for_backward(self)
-        else:
-            self.gather_now()
-        self._to(UnitPhase.BACKWARD)
-        self.post_backward_pending = True
+    def pre_backward(self, node: object = None) -> None:
+        with labelled(f"fsdp_compose::pre_backward[{self.unit.owner_name}]"):
+            check_not_compiled_autograd(self.unit.owner_name)
+            ctx = self.root_ctx
+            if ctx is None:
+                self.gather_now()
+                return
+            ctx.begin_backward(node)
+            ctx.gather_for_backward(self)
 
     @_outside_compile
     def post_backward(self) -> None:
-        """The unit's backward is done: hand its gradients to the reduction (or accumulate them) and reshard."""
-        if not self.post_backward_pending:
-            return
-        with labelled("fsdp_compose::post_backward"):
-            self.post_backward_pending = False
-            self._to(UnitPhase.IDLE)
-            # Free the full parameters first: the gradients live apart from them (in ``.grad`` or already in the
-            # gradient buffer), and the reduction below may wait for the previous unit's reduce-scatter, whose
-            # buffers are then alive at the same time; the full parameters need not be.
-            if self.reshard_after_backward:
-                self.unit.reshard()
-            grads = self.unit.grads
-            if not self.reduces_now:
-                grads.accumulate()
-            elif grads.trainable:
-                grads.stage()
-                if self.reduce_issued:  # a second use of the unit in this backward: its turn has passed, go now
-                    grads.reduce(
-                        all_reduce_replicas=self.requires_all_reduce, synchronising=self.requires_gradient_sync
-                    )
-                    grads.finish()
-                elif self.root is not None and self.root.ctx is not None:
-                    self.root.ctx.issue_reductions_in_order()
+        """One call's backward is done; the step context finishes the unit once every call it runs here is."""
+        ctx = self.root_ctx
+        if ctx is not None:
+            with labelled(f"fsdp_compose::post_backward[{self.unit.owner_name}]"):
+                ctx.call_backward_done(self)
 
     # ------------------------------------------------------------------ copy.deepcopy
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardState:
@@ -424,6 +457,16 @@ class ShardState:
         new.kept_unsharded = False
         new.reset_step()
         return new
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    found = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            found.append(t)
+    return found
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

@@ -1,29 +1,31 @@
-"""One training step of one root: everything that belongs to the step rather than to a unit.
+"""One training step of one root: the owner of the step, walking the declared schedule (schedule.py).
 
-The root's ``ShardState`` owns a ``StepContext``; the other states only point at their root. The context holds the
-forward order, the backward gather schedule, the reduce-scatter order and the one reduction in flight, the final
-callback, and the accumulation window. Its phase (``StepPhase``) moves::
+The root's ``ShardState`` owns a ``StepContext``; the other states only point at their root. One step, top to
+bottom (every collective named here is read from the schedule, never chosen by which hook fired first)::
 
-    IDLE --begin_step--> FORWARD --end_forward--> AWAITING_BACKWARD --begin_backward--> BACKWARD --final--> IDLE
-                         FORWARD --end_forward (no output needs grad)--> IDLE
+    root pre-forward   begin_forward: finish what the last step left, check ranks agree (opt-in), refresh
+                       trainability, move inputs
+    unit pre-forward   gather the unit if it is not gathered (a unit may be entered any number of times, wholly or
+                       one module at a time); prefetch the next unit in registration order
+    unit post-forward  outputs that need grad get the unit's pre-backward node (an _Entry); the unit closes (reshards
+                       per reshard_after_forward) when every module of it ran, or at the root's end of forward
+    first pre-backward begin_backward: agree with the other ranks which units this backward runs (one small
+                       all-reduce); queue the final callback
+    unit pre-backward  gather_for_backward: the gather cursor issues every backward all-gather up to this unit
+    unit post-backward once every call of the unit this backward runs here is done: reshard, stage its gradients;
+                       the reduce cursor issues the reductions whose turn has come (a unit this rank does not run
+                       reduces zeros at its turn)
+    final callback     end_backward: the rest of the order (gathers, then reductions), wait, reshard, reset
 
-A new root forward always begins a new step, whatever the last one left behind: a backward that raised midway (its
-collectives are completed, its held gradients dropped: they are partial), a forward with no backward after it, an
-explicit ``fc.reset_step``. Every decision that picks a collective is made from settings and from the forward order,
-both the same on every rank, never from what a rank's data did:
-
-- all-gathers in backward follow the reverse forward order through one cursor (``gather_for_backward``): a unit's
-  pre-backward first issues the all-gathers of every unit before it in that order, so a unit whose output never
-  reached this rank's loss is still gathered at the same point as on the ranks that use it;
-- reduce-scatters go out in reverse registration order on their own process group (``meshes.reduce_scatter_group``)
-  as soon as it is a unit's turn; a unit this rank did not run in forward is staged with zeros when its turn comes,
-  one that ran but got no gradient here waits for the final callback.
+A step ends through ``end_backward`` or ``abandon`` (an exception, ``fc.reset_step``); both walk the rest of the
+agreed order, so ranks that stopped at different points meet at its end.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,8 +36,8 @@ from torch.utils._pytree import tree_map
 from .checks import check_ranks_agree
 from .collectives import labelled
 from .grads import GradState
+from .schedule import BackwardPass, StepAbandoned, StepSchedule, agree_on_backward
 from .streams import side_stream
-from .transitions import checked
 from .unit import UnitState
 
 if TYPE_CHECKING:
@@ -44,6 +46,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["StepContext", "StepPhase", "check_not_compiled_autograd", "in_backward"]
+
+# On a CPU (gloo) device a wait blocks the host. Waiting for a reduce-scatter to make room for the next buffer is
+# safe once this rank has issued every all-gather of the backward; before that a peer might need one of them first,
+# so the wait polls for at most this long and then lets the buffer stay (memory, never a hang).
+_POLL_SECONDS = 1.0
 
 
 def in_backward() -> bool:
@@ -70,18 +77,8 @@ def check_not_compiled_autograd(owner: str) -> None:
 class StepPhase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
-    AWAITING_BACKWARD = "awaiting_backward"
+    AWAITING_BACKWARD = "awaiting_backward"  # a forward with outputs that need grad ended; no backward finished since
     BACKWARD = "backward"
-
-
-_ALLOWED: dict[StepPhase, frozenset[StepPhase]] = {
-    StepPhase.IDLE: frozenset({StepPhase.FORWARD, StepPhase.BACKWARD}),
-    StepPhase.FORWARD: frozenset({StepPhase.AWAITING_BACKWARD, StepPhase.IDLE}),
-    # A second root forward before backward (two forwards, one backward) keeps waiting for that backward.
-    StepPhase.AWAITING_BACKWARD: frozenset({StepPhase.BACKWARD, StepPhase.FORWARD, StepPhase.IDLE}),
-    # A second backward over a retained graph starts from IDLE; BACKWARD -> FORWARD is an aborted backward.
-    StepPhase.BACKWARD: frozenset({StepPhase.IDLE, StepPhase.FORWARD}),
-}
 
 
 class StepContext:
@@ -90,14 +87,10 @@ class StepContext:
     def __init__(self, root: ShardState, states: list[ShardState]) -> None:
         self.root = root
         self.states = states  # every state under the root, pre-order (registration order)
+        self.schedule = StepSchedule(root, states)
         self.phase = StepPhase.IDLE
-        self.forward_order: list[ShardState] = []  # units in the order the previous forward ran them
-        self.recording: list[ShardState] = []  # the order this forward runs them
-        self.backward_order: list[ShardState] = []
-        self._backward_position: dict[int, int] = {}
-        self.gather_cursor = 0  # backward_order[:gather_cursor] had their backward all-gathers issued
-        self.next_reduction = 0  # position in reversed(states) of the next reduce-scatter to issue
-        self.reducing: list[ShardState] = []  # units whose reduce-scatter went out and may still hold its input
+        self.backward: BackwardPass | None = None
+        self.reducing: list[ShardState] = []  # reductions issued whose input may still be alive, oldest first
         # The last backward left no-sync gradients in accumulation buffers (decided from settings, so it is the same
         # on every rank), and the backward that reduces them "drains" the window (see begin_backward).
         self.gradients_held = False
@@ -105,34 +98,49 @@ class StepContext:
         # All-gather copy-in and issue overlap compute on this side stream (None on a CPU device: streams.py).
         self.gather_stream = side_stream(root.device)
         for state in states:
-            state.unit.grads.make_room = self.complete_reduction_in_flight
+            state.unit.grads.make_room = self.make_room
 
-    def _to(self, new: StepPhase) -> None:
-        self.phase = checked(self.phase, new, _ALLOWED, f"step of {self.root.unit.owner_name}")
+    @property
+    def in_backward(self) -> bool:
+        return self.backward is not None
+
+    def _where(self, state: ShardState | None = None) -> str:
+        """Rank, unit and schedule position, for internal errors."""
+        rank = self.root.unit.dp.shard_rank
+        bp = self.backward
+        position = "" if bp is None else f", gather cursor {bp.gather_cursor}, reduce cursor {bp.reduce_cursor}"
+        unit = (
+            "" if state is None else f" unit {state.unit.owner_name} (position {self.schedule.position.get(id(state))})"
+        )
+        return f"shard rank {rank}{unit}, step phase {self.phase.value}{position}"
 
     # ------------------------------------------------------------------ forward
-    def begin_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        """Root pre-forward: clean up whatever the last step left, refresh trainability, move inputs."""
+    def begin_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """Root pre-forward: finish what the last step left, refresh trainability, move inputs.
+
+        A forward while a backward is pending (an eval forward between a forward and its backward, two forwards and
+        one backward) keeps the pending forward's entries; otherwise it starts a new step.
+        """
         if self.phase is StepPhase.BACKWARD:
-            self.abort_backward()
-        if self.root.collective_checks:
+            self.abandon()  # a backward that raised: its final callback never ran
+        if any(state.collective_checks for state in self.states):
             check_ranks_agree(self.root)  # before anything of this step communicates
-        if self.recording:
-            self.forward_order, self.recording = self.recording, []
+        continuing = self.phase is StepPhase.AWAITING_BACKWARD
         for state in self.states:
             unit = state.unit
             unit.grads.drop_if_user_zeroed()
-            if not unit.explicit and state.kept_unsharded is False:
-                # A prefetch nobody used, parameters kept after a forward that had no backward, or a group block
-                # left from one: free them (the next gather sees any update made since, also through ``.data``).
-                if unit.state is not UnitState.SHARDED:
-                    unit.reshard()
+            if not unit.explicit and state.kept_unsharded is False and unit.state is not UnitState.SHARDED:
+                # A prefetch nobody used, parameters kept after a forward, or a group block left from one: free them
+                # (the next gather sees any update made since, also through ``.data``).
+                unit.reshard()
             unit.adopt_if_changed()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
-            state.reset_step()
-            # The cheap per-step trainability check: one bool comparison per parameter.
+            if continuing:
+                state.reset_forward()
+            else:
+                state.reset_step()
             if state.auto_refresh_trainable and unit.refresh_trainable():
                 logger.debug("trainability of %s changed: refreshed", unit.owner_name)
-        self._to(StepPhase.FORWARD)
+        self.phase = StepPhase.FORWARD
         if self.root.device.type != "cpu":
             # Blocking, like DDP: a caller may refill a pinned host batch right after model(x) returns.
             args, kwargs = tree_map(self._to_device, (args, kwargs))
@@ -143,188 +151,276 @@ class StepContext:
             return value.to(self.root.device)
         return value
 
-    def record_forward(self, state: ShardState) -> None:
-        self.recording.append(state)
-
-    def next_in_forward(self, state: ShardState) -> list[ShardState]:
-        """The unit expected after ``state`` in this forward (from the previous forward's order)."""
-        order = self.forward_order
-        try:
-            index = order.index(state) + 1
-        except ValueError:
-            return []
-        return [order[index]] if index < len(order) else []
-
-    def end_forward(self, expects_backward: bool) -> None:
-        if self.phase is StepPhase.FORWARD:
-            self._to(StepPhase.AWAITING_BACKWARD if expects_backward else StepPhase.IDLE)
+    def end_forward(self) -> None:
+        """The root's forward returned: close units still open (a group only partly run, or run outside the root's
+        forward), then wait for a backward if any output needs one."""
+        if self.phase is not StepPhase.FORWARD:
+            return
+        for state in self.states:
+            if state.active == 0:
+                state.close_forward()
+        pending = any(state.entries for state in self.states)
+        self.phase = StepPhase.AWAITING_BACKWARD if pending else StepPhase.IDLE
 
     # ------------------------------------------------------------------ backward
-    def begin_backward(self) -> None:
-        """The first pre-backward hook of this backward: queue the final callback, fix the backward schedule."""
-        if self.phase is StepPhase.BACKWARD:
+    def begin_backward(self, running: object = None) -> None:
+        """The first pre-backward of a backward (``running``: its node): agree on its participants, queue the final
+        callback."""
+        if self.backward is not None:
             return
-        self._to(StepPhase.BACKWARD)
+        reached = [any(entry.runs_in_this_backward(running) for entry in state.entries) for state in self.states]
+        checks = any(state.collective_checks for state in self.states)
+        try:
+            participants, quitting = agree_on_backward(self.schedule, reached, abandoning=False, checks=checks)
+        except RuntimeError:
+            self.abandon(agreed=True)  # every rank raises here: nothing of this backward was issued
+            raise
+        if quitting:
+            self.abandon(agreed=True)
+            raise StepAbandoned(
+                f"fsdp_compose: rank(s) {quitting} abandoned this step (fc.reset_step) while this rank ran its "
+                f"backward under {self.root.unit.owner_name}: no gradient of it is kept on any rank. Skip the step "
+                "on every rank (the next forward starts a new one)"
+            )
+        takes_part = {id(s) for s, p in zip(self.states, participants, strict=True) if p}
+        here = {id(s) for s, r in zip(self.states, reached, strict=True) if r}
+        # Post-backward hooks each participant waits for here. A call whose inputs need no gradient has none (its
+        # backward's end is not observable): such a unit finishes in the final callback.
+        awaiting: dict[int, int] = {}
+        for state in self.states:
+            if id(state) in here:
+                calls = [e for e in state.entries if e.runs_in_this_backward(running)]
+                observable = all(e.post_backward_runs() for e in calls)
+                awaiting[id(state)] = len(calls) if observable else -1
+        self.backward = BackwardPass(
+            task=int(torch._C._current_graph_task_id()),
+            gather_order=[s for s in self.schedule.gather_order if id(s) in takes_part],
+            reduce_order=[s for s in self.schedule.reduce_order if id(s) in takes_part],
+            reached_here=here,
+            awaiting=awaiting,
+            consumed={id(e) for s in self.states for e in s.entries if e.runs_in_this_backward(running)},
+        )
+        self.phase = StepPhase.BACKWARD
+        self.draining = self.gradients_held and any(s.reduces_now for s in self.backward.gather_order)
         Variable._execution_engine.queue_callback(self._final_callback)
-        self.draining = self.gradients_held and any(state.reduces_now for state in self.states)
-        # Backward runs the root first (its outputs are last), then the other units in reverse forward order.
-        order = self.recording or self.forward_order
-        self.backward_order = order[:1] + order[:0:-1]
-        self._backward_position = {}
-        for position, state in enumerate(self.backward_order):
-            self._backward_position.setdefault(id(state), position)
-        self.gather_cursor = 0
-        self.next_reduction = 0
-        self.reducing = []
 
     def gather_for_backward(self, state: ShardState) -> None:
-        """Pre-backward of ``state``: issue the backward all-gathers up to it in the fixed order, then its own.
+        """``state`` needs its parameters for backward: issue the backward all-gathers up to it in the agreed order.
 
-        Each unit the cursor passes is gathered (asynchronously, unless it is ``state``) and its prefetch targets
-        are issued: the next unit in backward order, or the explicit ``fc.set_modules_to_backward_prefetch`` list.
+        Each unit the cursor passes is gathered (asynchronously, unless it is ``state``) and its prefetch targets are
+        issued: the next participant in the order, or the explicit ``fc.set_modules_to_backward_prefetch`` list.
         While draining an accumulation window the implicit prefetch is skipped (the next unit's parameters would
         wait through this unit's reduce-scatter on top of every accumulation buffer: the step's peak).
         """
-        # A reduce-scatter in flight that has completed frees its input before this unit's all-gather output is
-        # allocated (a check, not a wait); while draining an accumulation window it completes in any case, so the
-        # two never coexist next to every unit's accumulation buffer.
-        self.complete_reduction_in_flight()
-        target = self._backward_position.get(id(state))
-        if target is not None:
-            while self.gather_cursor <= target:
-                passed = self.backward_order[self.gather_cursor]
-                self.gather_cursor += 1
-                if passed is state:
-                    # Copied out before its prefetch is issued: the prefetch's output then never coexists with
-                    # this unit's all-gather output and full parameters (the same all-gathers, in the same order).
-                    state.gather_now()
-                else:
-                    passed.start_gather(async_op=True)
-                self._prefetch_after(passed)
-        state.gather_now()
-
-    def _prefetch_after(self, state: ShardState) -> None:
-        if state.backward_prefetch is not None:
-            targets = state.backward_prefetch
-        elif self.draining:
+        bp = self.backward
+        if bp is None:
+            state.gather_now()  # a backward that began before this root's (nested roots): nothing to follow
             return
+        self.reap()
+        target = bp.position(state)
+        if target is None:
+            if id(state) in bp.done:
+                raise RuntimeError(f"internal error in fsdp_compose: {self._where(state)} gathered after its backward")
+            state.gather_now()  # run by this backward although no entry said so (a forward inside backward)
+            return
+        while bp.gather_cursor <= target:
+            passed = bp.gather_order[bp.gather_cursor]
+            bp.gather_cursor += 1
+            self._issue_backward_gather(passed, now=passed is state)
+        if id(state) not in bp.done:
+            state.gather_now()
+
+    def _issue_backward_gather(self, passed: ShardState, *, now: bool) -> None:
+        bp = self.backward
+        assert bp is not None
+        if id(passed) not in bp.gathered:
+            bp.gathered.add(id(passed))
+            if now:
+                # Copied out before its prefetch is issued: the prefetch's output then never coexists with this
+                # unit's all-gather output and full parameters (the same all-gathers, in the same order).
+                passed.gather_now()
+            else:
+                passed.start_gather(async_op=True)
+        if passed.backward_prefetch is not None:
+            targets = [t for t in passed.backward_prefetch if bp.takes_part(t)]
+        elif self.draining:
+            targets = []
         else:
-            position = self._backward_position[id(state)] + 1
-            targets = self.backward_order[position : position + 1]
+            following = bp.gather_cursor  # the cursor already points past ``passed``
+            targets = bp.gather_order[following : following + 1]
         for target in targets:
-            if not target.in_backward_phase:
+            if id(target) not in bp.gathered:
+                bp.gathered.add(id(target))
                 target.start_gather(async_op=True)
 
-    # ------------------------------------------------------------------ reductions
-    def complete_reduction_in_flight(self) -> None:
-        """Free the inputs of reduce-scatters in flight before a new buffer is allocated: every one that has completed.
-
-        No blocking wait while this rank still has backward all-gathers to issue: another rank may issue its side of
-        a reduce-scatter only in its final callback (a unit whose output missed its loss), after all-gathers that
-        need this rank. Every reduction in flight is checked, not only the last: one that had not completed when the
-        next went out would otherwise hold its full-size input until the end of backward.
-        """
-        if not self.reducing:
+    def call_backward_done(self, state: ShardState) -> None:
+        """A ``_PostBackward`` of ``state`` ran: once every call of it this backward runs here has, finish it."""
+        bp = self.backward
+        if bp is None or id(state) in bp.done or not bp.takes_part(state):
             return
-        # Blocking is safe once this rank has issued every all-gather of its backward: no peer then waits on it.
-        gathers_left = self.phase is StepPhase.BACKWARD and self.gather_cursor < len(self.backward_order)
+        left = bp.awaiting.get(id(state), 0)
+        if left < 0:
+            return  # finishes in the final callback
+        bp.awaiting[id(state)] = left - 1
+        if left - 1 <= 0:
+            self._finish_unit(state)
+            self.issue_reductions()
+
+    def _finish_unit(self, state: ShardState) -> None:
+        """The unit's backward is done here: free its full parameters, then stage (or accumulate) its gradients."""
+        bp = self.backward
+        assert bp is not None
+        bp.done.add(id(state))
+        if id(state) not in bp.gathered:
+            self._pass_gathers_up_to(state)  # peers gather it: so does this rank, before its reduction
+        if state.reshard_after_backward or id(state) not in bp.reached_here:
+            # Free the full parameters first: the gradients live apart from them (in ``.grad`` or the buffer).
+            if not (id(state) not in bp.reached_here and state.unit.state is UnitState.GATHERING):
+                state.unit.reshard()
+        state.opened = False
+        grads = state.unit.grads
+        if not state.reduces_now:
+            grads.accumulate()
+        elif grads.trainable:
+            grads.stage()
+
+    def _pass_gathers_up_to(self, state: ShardState) -> None:
+        bp = self.backward
+        assert bp is not None
+        target = bp.position(state)
+        if target is None:
+            return
+        while bp.gather_cursor <= target:
+            passed = bp.gather_order[bp.gather_cursor]
+            bp.gather_cursor += 1
+            self._issue_backward_gather(passed, now=False)
+
+    # ------------------------------------------------------------------ reductions
+    def issue_reductions(self, *, final: bool = False) -> None:
+        """Issue reductions in the agreed order as far as their gradients are complete here.
+
+        A participant this rank's backward does not run is complete by definition (it reduces zeros, or what it
+        accumulated) and goes at its turn; one this rank runs waits for its last call's post-backward, or for the
+        final callback (``final``), which completes every unit left.
+        """
+        bp = self.backward
+        assert bp is not None
+        while bp.reduce_cursor < len(bp.reduce_order):
+            state = bp.reduce_order[bp.reduce_cursor]
+            if id(state) not in bp.done:
+                if id(state) in bp.reached_here and not final:
+                    return  # its gradients may still come
+                self._finish_unit(state)
+            grads = state.unit.grads
+            if state.reduces_now and grads.trainable:
+                if grads.state is not GradState.STAGED:
+                    grads.stage()
+                with labelled(f"fsdp_compose::reduce_scatter[{state.unit.owner_name}]"):
+                    grads.reduce(
+                        all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync
+                    )
+                if grads.state is GradState.REDUCE_SCATTERING:
+                    self.reducing.append(state)
+            bp.reduce_cursor += 1
+
+    def reap(self) -> None:
+        """Move every reduction in flight that has completed on (a check, not a wait): frees its input."""
         for state in self.reducing:
-            state.unit.grads.advance(only_if_done=gathers_left)
+            state.unit.grads.advance(only_if_done=True)
         self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
 
-    def issue_reductions_in_order(self, *, final: bool = False) -> None:
-        """Issue staged reduce-scatters in one fixed order, the same on every rank.
+    def make_room(self) -> None:
+        """Before a new reduce-scatter input is filled: fewer than ``max_reduce_inputs`` others may stay alive
+        (``set_reduce_scatter_max_input_buffers``, FSDP2's meaning; default 1: the previous reduce-scatter completes
+        before the next input is filled, so one input is alive at a time).
 
-        The order is reverse registration order (blocks last to first, then the root): the natural backward order,
-        so in the common case every unit goes as soon as it is staged. A unit staged early waits for the ones
-        before it. A unit this rank did not run in this forward can get no gradient any more: it is staged (with
-        zeros, or with what it accumulated) when its turn comes; one that ran but got no gradient here waits for the
-        final callback (``final``), which stages the rest.
+        The oldest in flight completes first. On an accelerator a wait only orders streams, so it always waits. On a
+        CPU device a wait blocks the host: it blocks only once this rank has issued every all-gather of the
+        backward (no peer can then be waiting for one of ours); before that it polls for a bounded time.
         """
-        order = self.states
-        ran = {id(state) for state in self.recording}
-        while self.next_reduction < len(order):
-            state = order[len(order) - 1 - self.next_reduction]
-            grads = state.unit.grads
-            if state.reduces_now and grads.trainable and not state.reduce_issued:
-                if grads.state is not GradState.STAGED:
-                    if not final and id(state) in ran:
-                        return  # its gradients may still come
-                    grads.stage()
-                # one reduce-scatter in flight at a time: the previous one completes (its input buffer is freed)
-                # before the next starts, while backward goes on
-                self.complete_reduction_in_flight()
-                grads.reduce(all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync)
-                state.reduce_issued = True
-                self.reducing.append(state)
-            self.next_reduction += 1
+        self.reap()
+        limit = self.root.max_reduce_inputs
+        bp = self.backward
+        blocking = self.root.device.type != "cpu" or bp is None or not bp.gathers_left
+        deadline = time.monotonic() + _POLL_SECONDS
+        while len(self.reducing) >= limit:
+            oldest = self.reducing[0]
+            grads = oldest.unit.grads
+            if blocking:
+                grads.advance()
+            else:
+                while not grads.reduce_scatter_done() and time.monotonic() < deadline:
+                    time.sleep(0)
+                if not grads.reduce_scatter_done():
+                    return  # a peer may still need our all-gathers: let the buffer stay
+                grads.advance()
+            self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
 
-    def _complete_collective_order(self, *, run_post_backward: bool) -> None:
-        """Issue and wait for the rest of this backward's collectives, in the order every rank follows.
+    # ------------------------------------------------------------------ the end of a step
+    def _complete_collective_order(self) -> None:
+        """Issue and wait for the rest of this backward's collectives, in the agreed order.
 
-        The final callback and an aborted step share it, so both end at the same point on every rank. First the
-        backward all-gathers no pre-backward reached here: a later unit's pre-backward passes the cursor over a unit
-        whose output missed this rank's loss, but nothing passes the last units in backward order, and a backward
-        that raised stopped the cursor wherever it was. Other ranks gathered those units, so this rank issues the
-        same all-gathers, with the same prefetches, in the same order; nothing here needs the results, so each unit
-        that keeps nothing after backward is resharded as soon as the cursor has passed it. Then (final callback
-        only) the post-backward of units whose hook never fired, then every reduce-scatter left, then the waits.
+        The final callback and an abandoned step share it, so both end at the same point on every rank: every
+        backward all-gather the cursor has not passed (units this rank never needed; each freed once done), every
+        unit not finished yet (its post-backward never came here), every reduction left, then the waits.
         """
-        while self.gather_cursor < len(self.backward_order):
-            passed = self.backward_order[self.gather_cursor]
-            self.gather_cursor += 1
-            passed.start_gather(async_op=True)
-            self._prefetch_after(passed)
-            if not passed.in_backward_phase and not self._keeps_after_backward(passed):
-                passed.unit.reshard()
-        if run_post_backward:
-            for state in reversed(self.states):
-                if state.post_backward_pending:
-                    state.post_backward()
-        self.issue_reductions_in_order(final=True)
+        bp = self.backward
+        assert bp is not None
+        while bp.gathers_left:
+            passed = bp.gather_order[bp.gather_cursor]
+            bp.gather_cursor += 1
+            self._issue_backward_gather(passed, now=False)
+        for state in bp.reduce_order:
+            if id(state) not in bp.done:
+                self._finish_unit(state)
+        self.issue_reductions(final=True)
         for state in reversed(self.states):
             state.unit.grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
+        self.reducing = []
 
     def _keeps_after_backward(self, state: ShardState) -> bool:
-        return not state.reshard_after_backward and not state.requires_gradient_sync
+        """Full parameters stay across a backward only where asked and no optimizer step can follow it: a step's
+        update through ``.data`` would bump no version counter to tell they are stale."""
+        return not state.reshard_after_backward and not state.gradients_final
 
     def _final_callback(self) -> None:
-        """End of backward (queued by the first pre-backward hook): finish every unit, then reset per-step state.
+        """End of backward (queued by its first pre-backward): finish every participant, then reset.
 
-        A unit whose post-backward never fired here (its inputs needed no gradient, or this rank never used it)
-        finishes now; a trainable one is reduced with whatever it has (zeros), because another rank may have used
-        it and the collectives must match. A backward that synchronises gradients reshards every unit whatever
-        ``reshard_after_backward`` says: an optimizer step follows it, so full parameters kept across it would be
-        stale (an update through ``.data`` bumps no version counter to tell).
+        A participant whose post-backward never fired here (its inputs needed no gradient, or this rank never ran
+        it) finishes now; a trainable one is reduced with whatever it has (zeros), because another rank may have
+        used it and the collectives must match.
         """
         with labelled("fsdp_compose::final_callback"):
-            self._complete_collective_order(run_post_backward=True)
-            for state in reversed(self.states):
+            bp = self.backward
+            if bp is None:
+                return
+            self._complete_collective_order()
+            for state in bp.gather_order:
                 grads = state.unit.grads
                 grads.settle()  # the one point where the host waits for device-to-host copies of gradients
-                if not state.reduces_now:
-                    grads.accumulate()
                 grads.mark_held()
                 keep = self._keeps_after_backward(state)
                 if not keep and state.unit.state is not UnitState.SHARDED:
                     state.unit.reshard()
                 if state.unit.state is UnitState.GATHERING:
                     state.unit.finish_unshard()
-                state.reset_step()
                 state.kept_unsharded = keep and state.unit.state is UnitState.UNSHARDED
+                # The calls this backward ran are consumed; calls it did not run wait for a later backward (a
+                # chunked loss runs the head's backward once per chunk, then the body's).
+                state.entries = [e for e in state.entries if id(e) not in bp.consumed]
                 state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
             self.gradients_held = any(state.unit.grads.state is GradState.ACCUMULATING for state in self.states)
             self.draining = False
-            self._to(StepPhase.IDLE)
+            self.backward = None
+            self.phase = StepPhase.IDLE
 
-    def abort_backward(self) -> None:
+    def abandon(self, *, agreed: bool = False) -> None:
         """A step that never reached its final callback (it raised, or ``fc.reset_step``): drop its gradients.
 
-        A backward that raised stopped at a different point of the collective order on each rank (a unit reached
-        the loss on some ranks only; a rank raised alone), so every rank first completes the whole order, the same
-        for all: the remaining backward all-gathers, then every reduce-scatter (and HSDP all-reduce), staged with
-        whatever is there, waited for and thrown away. Then the gradients held but not delivered are dropped
-        (partial: the failed micro-batch's are mixed in) and every unit is resharded.
+        Inside a backward, every rank first completes the whole agreed order: the remaining backward all-gathers,
+        then every reduction, staged with whatever is there, waited for and thrown away. Then the gradients held
+        but not delivered are dropped (partial: the failed micro-batch's are mixed in) and every unit is resharded.
+        ``agreed``: the participants' agreement already told every rank (nothing of the backward was issued).
         """
         logger.warning(
             "%s: the step did not finish (an exception, or fc.reset_step): gradients not yet in .grad are dropped",
@@ -335,8 +431,8 @@ class StepContext:
             for mp in state.unit.params:
                 if mp.full is not None:
                     mp.full.grad = None  # partial; the reductions below carry zeros in their place
-        if self.phase is StepPhase.BACKWARD:
-            self._complete_collective_order(run_post_backward=False)  # partial gradients: no post-backward
+        if self.backward is not None and not agreed:
+            self._complete_collective_order()
         for state in self.states:
             state.unit.grads.discard()
             if state.unit.state is not UnitState.SHARDED:
@@ -345,19 +441,40 @@ class StepContext:
             state.kept_unsharded = False
         self.gradients_held = False
         self.draining = False
-        self.recording = []
         self.reducing = []
+        self.backward = None
         self.phase = StepPhase.IDLE
 
     def reset(self) -> None:
-        """``fc.reset_step``: forget the current step (held no-sync gradients too) and reshard every unit."""
-        if self.phase is StepPhase.BACKWARD or any(s.unit.grads.has_pending() for s in self.states):
-            self.abort_backward()
+        """``fc.reset_step``: forget the current step (held no-sync gradients too) and reshard every unit.
+
+        After a forward whose backward is pending, another rank may be running that backward (this rank raised in
+        its loss): the ranks then agree on abandoning it through the backward's agreement, and every rank raises
+        the same ``StepAbandoned`` unless all of them abandon it.
+        """
+        quitting: list[int] = []
+        everyone = False
+        if self.phase in (StepPhase.AWAITING_BACKWARD, StepPhase.FORWARD) and self.backward is None:
+            _, quitting = agree_on_backward(self.schedule, [False] * len(self.states), abandoning=True, checks=False)
+            everyone = len(quitting) == _ranks_in(self.root)
+        if self.backward is not None or any(s.unit.grads.has_pending() for s in self.states):
+            self.abandon()
         for state in self.states:
             state.unit.explicit = False
             if state.unit.state is not UnitState.SHARDED:
                 state.unit.reshard()
             state.reset_step()
             state.kept_unsharded = False
-        self.recording = []
+        self.backward = None
         self.phase = StepPhase.IDLE
+        if quitting and not everyone:
+            raise StepAbandoned(
+                f"fsdp_compose: this rank abandoned the step (fc.reset_step) under {self.root.unit.owner_name} while "
+                f"other ranks ran its backward (abandoning: {quitting}): no gradient of it is kept on any rank. Skip "
+                "the step on every rank (the next forward starts a new one)"
+            )
+
+
+def _ranks_in(root: ShardState) -> int:
+    dp = root.unit.dp
+    return dp.size if dp.size > 0 else 1

@@ -81,6 +81,8 @@ class _FullBuffer:
     splits: list[int]
     outs: list[torch.Tensor]
     relaid: dict[int, int]  # slot sharded on a dim k > 0 -> where its full parameter starts, after the padded part
+    # id(ManagedParam) -> (full parameter, its .data, hooked) of this dtype: set again when this dtype is gathered
+    params: dict[int, tuple[Any, Any, bool]] | None = None
 
     @classmethod
     def build(cls, layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> _FullBuffer:
@@ -180,7 +182,10 @@ class ShardedUnit:
         self._pending_gather: _PendingGather | None = None
         self.post_forward: PostForwardGroup | None = None  # set by reshard_after_forward=k (1 < k < world size)
         self._group_block: torch.Tensor | None = None  # GROUP_SHARDED: this rank's W/k segments of the gathered buffer
-        self._full: _FullBuffer | None = None  # the sharded slots' full parameters (kept, storage freed when sharded)
+        # The sharded slots' full parameters, one buffer per compute dtype gathered (kept, storage freed when
+        # sharded): an fp32 eval forward between a bf16 forward and its backward must not replace the bf16 tensors
+        # that autograd saved, so the backward's gather refills those.
+        self._fulls: dict[torch.dtype, _FullBuffer] = {}
         self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
         self.grads = UnitGradients(self._reduce_spec(), self.params)
 
@@ -365,19 +370,30 @@ class ShardedUnit:
     def _full_buffer(self, dtype: torch.dtype) -> _FullBuffer:
         """The sharded slots' full parameters with storage allocated: built on first use and when the layout, the
         dtype or a parameter object changed; otherwise the same tensors, their storage resized back."""
-        full = self._full
-        if (
-            full is None
-            or full.layout is not self.layout
-            or full.dtype != dtype
-            or any(mp.full is None for mp in self.params if mp.slot is not None)
-        ):
-            full = self._full = _FullBuffer.build(self.layout, dtype, self.device)
-            for mp in self.params:
-                if mp.slot is not None:
-                    mp.full, mp.full_data = make_full_param(full.param_view(mp.slot), mp.placing, mp.trainable)
-                    mp.full_hooked = False
-                    self._hook_full(mp)
+        full = self._fulls.get(dtype)
+        fresh = full is None or full.layout is not self.layout
+        if fresh:
+            full = self._fulls[dtype] = _FullBuffer.build(self.layout, dtype, self.device)
+            full.params = {}
+        assert full is not None and full.params is not None
+        for mp in self.params:
+            if mp.slot is None:
+                continue
+            current = None if fresh else mp.full
+            if current is not None and current.dtype != dtype:
+                # Another dtype's full parameter: keep it with its buffer (autograd may hold it), take this dtype's.
+                other = self._fulls.get(current.dtype)
+                if other is not None and other.params is not None:
+                    other.params[id(mp)] = (current, mp.full_data, mp.full_hooked)
+                current = None
+            cached = full.params.get(id(mp))
+            if current is None and cached is not None and mp.full is not None:
+                mp.full, mp.full_data, mp.full_hooked = cached
+            elif current is None:
+                mp.full, mp.full_data = make_full_param(full.param_view(mp.slot), mp.placing, mp.trainable)
+                mp.full_hooked = False
+                self._hook_full(mp)
+                full.params[id(mp)] = (mp.full, mp.full_data, mp.full_hooked)
         full.allocate()
         return full
 
@@ -427,8 +443,8 @@ class ShardedUnit:
                 and full_data.untyped_storage().data_ptr() != mp.sharded._local_tensor.data_ptr()
             ):
                 full_data.untyped_storage().resize_(0)
-        if self._full is not None:
-            self._full.free()
+        for full in self._fulls.values():
+            full.free()
 
     def reshard_to_group(self) -> None:
         """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest.
@@ -534,7 +550,7 @@ class ShardedUnit:
         new.explicit = False
         new._pending_gather = None
         new._group_block = None
-        new._full = None
+        new._fulls = {}
         divide_factor = self.grads.divide_factor
         new.grads = UnitGradients(new._reduce_spec(), new.params)
         new.grads.divide_factor = divide_factor

@@ -1,0 +1,373 @@
+"""Graph shapes real trainers produce (issue #20, ../shared/findings/step-schedule.md): each trains like a
+single-process reference, and every rank issues the same collectives in the same order.
+
+- a unit of two modules whose head is called once per loss chunk after the root's forward, each chunk with its own
+  backward, then the body's backward (torchtitan's chunked cross-entropy);
+- a unit used twice in one forward, with a unit between its uses whose output reaches the loss on one rank only;
+- a unit returning a dataclass; a grouped unit partly used, then one member called alone;
+- an fp32 eval forward between a bf16 training forward and its backward;
+- a registered forward method trained through;
+- the loss raising on one rank: ``fc.reset_step`` there, backward elsewhere: the same error on every rank, and the
+  next step trains;
+- collective checks set on a submodule catch ranks that freeze different parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_compose as fc
+from tests.dist_utils import local_batch, max_param_diff, mesh_1d
+from tests.test_collective_order import _recording_collectives
+
+DIM = 8
+
+
+class _Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, 5, bias=False)
+
+    def forward(self, x: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        h = self.norm(h)
+        return h if skip_head else self.head(h)
+
+
+def _shard_body(model: _Body, ws: int) -> None:
+    mesh = mesh_1d(ws)
+    for block in model.blocks:
+        fc.fully_shard(block, mesh=mesh)
+    fc.fully_shard([model.norm, model.head], mesh=mesh)  # torchtitan shards [norm, output] as one unit
+    fc.fully_shard(model, mesh=mesh)
+
+
+def _chunked_loss(model: _Body, x: torch.Tensor, y: torch.Tensor, chunks: int) -> None:
+    """Per chunk: head -> loss -> backward into a detached leaf; then the body's backward with the summed grads."""
+    h = model(x, skip_head=True)
+    grads = []
+    for h_chunk, y_chunk in zip(h.detach().chunk(chunks), y.chunk(chunks), strict=True):
+        leaf = h_chunk.requires_grad_(True)
+        ((model.head(leaf) - y_chunk).pow(2).sum() / y.numel()).backward()
+        grads.append(leaf.grad)
+    h.backward(torch.cat(grads))
+
+
+def _chunked(rank: int, ws: int, chunks: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    reference = _Body()
+    model = copy.deepcopy(reference)
+    _shard_body(model, ws)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with _recording_collectives() as record:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4 * ws, DIM, generator=g), torch.randn(4 * ws, 5, generator=g)
+            ref_opt.zero_grad()
+            ((reference(x) - y).pow(2).sum() / (y.numel() / ws) / ws).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            xs, ys = local_batch(x, rank, ws), local_batch(y, rank, ws)
+            _chunked_loss(model, xs, ys, chunks)
+            opt.step()
+    return {"diff": max_param_diff(model, reference), "record": record}
+
+
+@pytest.mark.parametrize("ws", [1, 2, 4])
+def test_chunked_loss_head_called_per_chunk_outside_the_root_forward(run_dist, ws: int) -> None:
+    results = run_dist(ws, _chunked, 4)
+    for result in results:
+        assert result["diff"] <= 1e-5
+        assert result["record"] == results[0]["record"]
+    if ws > 1:
+        counts: dict[str, int] = {}
+        for events in results[0]["record"].values():
+            for kind, _ in events:
+                counts[kind] = counts.get(kind, 0) + 1
+        # per step: the head unit reduces once per chunk backward and once in the body's backward (norm), each
+        # block once, the root (embed) once: 4 + 1 + 2 + 1 = 8 (torch's fully_shard: the same, measured below)
+        assert counts["reduce_scatter"] == 3 * 8
+
+
+class _Twice(nn.Module):
+    """a -> b -> a: ``b``'s output reaches the loss on even ranks only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        side = self.b(h)
+        h = torch.tanh(self.a(h + 0.5))
+        out = self.out(h)
+        return out + side.sum(dim=-1, keepdim=True) if use_b else out
+
+
+def _twice(rank: int, ws: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    reference = _Twice()
+    model = copy.deepcopy(reference)
+    mesh = mesh_1d(ws)
+    fc.fully_shard(model.a, mesh=mesh)
+    fc.fully_shard(model.b, mesh=mesh)
+    fc.fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with _recording_collectives() as record:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(2 * ws, DIM, generator=g)
+            ref_opt.zero_grad()
+            total = sum(reference(local_batch(x, r, ws), r % 2 == 0).pow(2).mean() for r in range(ws))
+            (total / ws).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            model(local_batch(x, rank, ws), rank % 2 == 0).pow(2).mean().backward()
+            opt.step()
+    return {"diff": max_param_diff(model, reference), "record": record}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_unit_used_twice_around_a_unit_some_ranks_skip(run_dist, ws: int) -> None:
+    results = run_dist(ws, _twice)
+    for result in results:
+        assert result["diff"] <= 1e-5
+        assert result["record"] == results[0]["record"]
+
+
+@dataclasses.dataclass
+class _Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _PairBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, inp: _Pair) -> _Pair:
+        return _Pair(x=torch.tanh(self.lin(inp.x)), y=self.lin(inp.y))
+
+
+def _dataclass(rank: int, ws: int) -> float:
+    torch.manual_seed(0)
+    reference = nn.Sequential(_PairBlock(), _PairBlock())
+    model = copy.deepcopy(reference)
+    mesh = mesh_1d(ws)
+    for block in model:
+        fc.fully_shard(block, mesh=mesh)
+    fc.fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(2 * ws, DIM, generator=torch.Generator().manual_seed(step))
+        ref_opt.zero_grad()
+        total = sum((o.x * o.y).sum() for o in (reference(_Pair(xr, xr * 2)) for xr in x.chunk(ws)))
+        (total / ws).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        xs = local_batch(x, rank, ws)
+        out = model(_Pair(xs, xs * 2))
+        (out.x * out.y).sum().backward()
+        opt.step()
+    return max_param_diff(model, reference)
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_dataclass_outputs_train(run_dist, ws: int) -> None:
+    assert max(run_dist(ws, _dataclass)) <= 1e-5
+
+
+def _partial_group(rank: int, ws: int) -> float:
+    """The [norm, head] unit: the model's forward runs norm only; head is then called alone, twice."""
+    torch.manual_seed(0)
+    reference = _Body()
+    model = copy.deepcopy(reference)
+    _shard_body(model, ws)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(2 * ws, DIM, generator=torch.Generator().manual_seed(step))
+        ref_opt.zero_grad()
+        total = sum(
+            (reference.head(h).sum() + reference.head(h * 2).sum())
+            for h in (reference(xr, skip_head=True) for xr in x.chunk(ws))
+        )
+        (total / ws).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        h = model(local_batch(x, rank, ws), skip_head=True)
+        (model.head(h).sum() + model.head(h * 2).sum()).backward()
+        opt.step()
+    return max_param_diff(model, reference)
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_grouped_unit_partly_used_then_member_alone(run_dist, ws: int) -> None:
+    assert max(run_dist(ws, _partial_group)) <= 1e-5
+
+
+def _eval_between(rank: int, ws: int) -> float:
+    """The same bf16 step with and without an fp32 eval forward between its forward and its backward: equal
+    gradients, and the eval output equal to the fp32 reference's."""
+    torch.manual_seed(0)
+    reference = _Body()
+    bf16 = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    x = local_batch(torch.randn(2 * ws, DIM, generator=torch.Generator().manual_seed(0)), rank, ws)
+    grads = []
+    evaluated = None
+    for eval_between in (False, True):
+        model = copy.deepcopy(reference)
+        mesh = mesh_1d(ws)
+        for block in model.blocks:
+            fc.fully_shard(block, mesh=mesh, mp_policy=bf16)
+        fc.fully_shard(model, mesh=mesh)
+        fc.set_full_precision_in_eval(model)
+        loss = model(x).pow(2).mean()
+        if eval_between:
+            model.eval()
+            with torch.no_grad():
+                evaluated = model(x)
+            model.train()
+        loss.backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    with torch.no_grad():
+        expected = reference.eval()(x)
+    assert evaluated is not None
+    grad_diff = max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
+    return max(grad_diff, (evaluated - expected).abs().max().item())
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_fp32_eval_forward_between_bf16_forward_and_backward(run_dist, ws: int) -> None:
+    assert max(run_dist(ws, _eval_between)) <= 1e-5
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_features(x).sum(dim=1)
+
+
+class _WithEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = _Encoder()
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc.forward_features(x))
+
+
+def _forward_method(rank: int, ws: int) -> float:
+    torch.manual_seed(0)
+    reference = _WithEncoder()
+    model = copy.deepcopy(reference)
+    mesh = mesh_1d(ws)
+    fc.fully_shard(model.enc, mesh=mesh)
+    fc.fully_shard(model.head, mesh=mesh)
+    fc.fully_shard(model, mesh=mesh)
+    fc.register_forward_method(model.enc, "forward_features")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(2 * ws, DIM, generator=torch.Generator().manual_seed(step))
+        ref_opt.zero_grad()
+        (sum(reference(xr).pow(2).sum() for xr in x.chunk(ws)) / ws).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        model(local_batch(x, rank, ws)).pow(2).sum().backward()
+        assert model.enc.proj.weight.grad is not None
+        opt.step()
+    return max_param_diff(model, reference)
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_registered_forward_method_trains(run_dist, ws: int) -> None:
+    assert max(run_dist(ws, _forward_method)) <= 1e-5
+
+
+def _loss_raises_on_rank0(rank: int, ws: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    reference = _Body()
+    model = copy.deepcopy(reference)
+    _shard_body(model, ws)
+    fc.set_collective_checks(model.blocks[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    errors = []
+    for step in range(3):
+        x = torch.randn(2 * ws, DIM, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        try:
+            out = model(local_batch(x, rank, ws))
+            if step == 1 and rank == 0:
+                raise ValueError("the loss failed on this rank")
+            out.pow(2).mean().backward()
+        except ValueError:
+            try:
+                fc.reset_step(model)
+            except RuntimeError as error:
+                errors.append(str(error))
+        except RuntimeError as error:
+            errors.append(str(error))
+        if errors and step == 1:
+            fc.reset_step(model)  # every rank: the step is skipped
+            continue
+        ref_opt.zero_grad()
+        (sum(reference(xr).pow(2).mean() for xr in x.chunk(ws)) / ws).backward()
+        ref_opt.step()
+        opt.step()
+    return {"errors": errors, "diff": max_param_diff(model, reference)}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_loss_raising_on_one_rank_gives_every_rank_the_same_error(run_dist, ws: int) -> None:
+    results = run_dist(ws, _loss_raises_on_rank0)
+    for result in results:
+        assert len(result["errors"]) == 1, result["errors"]
+        assert "abandoned" in result["errors"][0]
+        assert result["diff"] <= 1e-5
+
+
+def _checks_on_submodule(rank: int, ws: int) -> str:
+    torch.manual_seed(0)
+    model = _Body()
+    _shard_body(model, ws)
+    fc.set_collective_checks(model.blocks[1])  # "the root or any module under it"
+    if rank == 1:
+        model.blocks[0].weight.requires_grad_(False)
+    try:
+        model(torch.randn(2, DIM)).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_collective_checks_set_on_a_submodule(run_dist) -> None:
+    messages = run_dist(2, _checks_on_submodule)
+    assert messages[0] == messages[1]
+    assert "blocks.0" in messages[0] or "Linear" in messages[0]
+    assert "requires_grad" in messages[0] or "trainable" in messages[0]

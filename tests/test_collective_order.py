@@ -297,5 +297,9 @@ def test_order_holds_for_a_unit_recomputed_before_its_pre_backward(run_dist, ws:
 def test_reduce_scatters_run_on_their_own_group(run_dist) -> None:
     """All-gathers and reduce-scatters of one shard group never share a process group."""
     results = run_dist(2, _order, "all", False, True, False)
-    kinds_per_group = {name: {kind for kind, _ in calls} for name, calls in results[0]["record"].items()}
-    assert sorted(map(sorted, kinds_per_group.values())) == [["all_gather"], ["reduce_scatter"]]
+    # (the step's agreement all-reduce, a few integers, may share a group with either)
+    flat = ("all_gather", "reduce_scatter")
+    kinds_per_group = {
+        name: {kind for kind, _ in calls if kind in flat} for name, calls in results[0]["record"].items()
+    }
+    assert sorted(map(sorted, filter(None, kinds_per_group.values()))) == [["all_gather"], ["reduce_scatter"]]

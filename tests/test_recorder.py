@@ -53,7 +53,9 @@ def _patched(names: tuple[str, ...], counts: Counter[str]) -> Iterator[None]:
 
     def counting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
+            tensor = args[0] if args else kwargs.get("tensor", kwargs.get("output_tensor", kwargs.get("output")))
+            integer = isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()
+            counts[f"{name} (integer)" if integer else name] += 1
             return original(*args, **kwargs)
 
         return wrapper
@@ -101,16 +103,28 @@ def _side_by_side(rank: int, ws: int, kind: str, names: tuple[str, ...]) -> dict
     return {"torch": dict(counts["torch"]), "fc": dict(counts["fc"]), "diff": diff, "deprecated": deprecated}
 
 
+def _agreements(counts: dict[str, int]) -> tuple[dict[str, int], int]:
+    """The counts without fsdp_compose's per-step agreement (an all-reduce of a few integers over each of the root's
+    data-parallel groups: which units take part in backward), and how many of those there were."""
+    agreements = counts.get("all_reduce (integer)", 0)
+    return {name: n for name, n in counts.items() if name != "all_reduce (integer)"}, agreements
+
+
 @pytest.mark.parametrize(("ws", "kind"), [(1, "fsdp"), (2, "fsdp"), (4, "fsdp"), (4, "hsdp")])
 def test_patched_torch_distributed_sees_every_collective(run_dist, ws: int, kind: str) -> None:
-    """Under the same patching, fsdp_compose's step calls the patched functions as often as torch's fully_shard."""
+    """Under the same patching, fsdp_compose's step calls the patched functions as often as torch's fully_shard for
+    every all-gather, reduce-scatter and gradient all-reduce; on top, one agreement all-reduce per step and
+    data-parallel mesh dimension (torch has none)."""
+    dp_dims = 1 if kind == "fsdp" else 2
     for result in run_dist(ws, _side_by_side, kind, NEW_NAMES):
-        assert result["fc"] == result["torch"], result
+        fc_counts, agreements = _agreements(result["fc"])
+        assert fc_counts == result["torch"], result
         if ws == 1:  # neither library communicates on a group of one
             assert result["fc"] == {}
         else:
-            assert result["fc"]["all_gather_single"] > 0 and result["fc"]["reduce_scatter_single"] > 0
-        assert result["fc"].get("all_reduce", 0) == (STEPS * (CFG.n_layers + 1) if kind == "hsdp" else 0)
+            assert fc_counts["all_gather_single"] > 0 and fc_counts["reduce_scatter_single"] > 0
+            assert agreements <= STEPS * dp_dims
+        assert fc_counts.get("all_reduce", 0) == (STEPS * (CFG.n_layers + 1) if kind == "hsdp" else 0)
         assert result["diff"] <= 1e-5
         assert result["deprecated"] == []
 
@@ -121,7 +135,7 @@ def test_patching_the_older_names_is_seen_too(run_dist) -> None:
     them there."""
     new = run_dist(2, _side_by_side, "fsdp", NEW_NAMES)[0]
     old = run_dist(2, _side_by_side, "fsdp", OLD_NAMES)[0]
-    assert old["fc"]["all_gather_into_tensor"] == new["fc"]["all_gather_single"] > 0
+    assert old["fc"]["all_gather_into_tensor"] == new["fc"]["all_gather_single"] > 0  # both seen, as often
     assert old["fc"]["reduce_scatter_tensor"] == new["fc"]["reduce_scatter_single"] > 0
     assert old["diff"] <= 1e-5
     if hasattr(dist, "all_gather_single"):
@@ -144,9 +158,11 @@ def _recorded(rank: int, ws: int, kind: str) -> dict[str, Any]:
                 loss = loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws))
             with fc.CollectiveRecorder() as inner, outer.labelled("backward"):
                 loss.backward()
+        fsdp = [r for r in outer.records if r.dtype.is_floating_point]  # fc's integer agreement left out
         result[impl] = {
-            "counts": dict(outer.counts()),
-            "labels": dict(Counter((r.label, r.kind) for r in outer.records)),
+            "counts": dict(Counter(r.kind for r in fsdp)),
+            "labels": dict(Counter((r.label, r.kind) for r in fsdp)),
+            "agreements": [(r.kind, r.dtype, r.nbytes) for r in outer.records if not r.dtype.is_floating_point],
             "inner": [(r.kind, r.group, r.nbytes) for r in inner.records],
             "outer_backward": [(r.kind, r.group, r.nbytes) for r in outer.records if r.label == "backward"],
             "summary": outer.summary(),
@@ -175,7 +191,8 @@ def test_recorder_counts_a_step_of_either_library(run_dist, ws: int, kind: str) 
         assert fc_rec["counts"]["all_gather"] > 0 and fc_rec["counts"]["reduce_scatter"] == CFG.n_layers + 1
         assert fc_rec["counts"].get("all_reduce", 0) == (CFG.n_layers + 1 if kind == "hsdp" else 0)
         assert (("all_gather", shard_size) in fc_rec["sizes"]) and (("reduce_scatter", shard_size) in fc_rec["sizes"])
-        assert fc_rec["dtypes"] == ["torch.float32"]
+        assert set(fc_rec["dtypes"]) <= {"torch.float32", "torch.int64"} and torch_rec["dtypes"] == ["torch.float32"]
+        assert torch_rec["agreements"] == [] and all(nbytes <= 1024 for _, _, nbytes in fc_rec["agreements"])
         for rec in (fc_rec, torch_rec):
             assert rec["inner"] == rec["outer_backward"]  # nested recorders both see every call
         assert result["restored"]

@@ -17,7 +17,7 @@ Correctness: the three are built from the same seed and run one window on the sa
 are compared (max absolute difference, max over ranks). Time: interleaved rounds of one window each, as in run.py.
 Memory: each implementation alone runs a third window under the live-bytes counter (memory.py), which records the
 peak of each phase (no-sync micro-batches, the synchronising micro-batch, optimizer step) and the bytes held after
-the no-sync micro-batches; the collectives of that window are counted too (comm.py).
+the no-sync micro-batches; the collectives of that window are counted too (``fc.CollectiveRecorder``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: 
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import fsdp_compose as fc  # noqa: E402
-from benchmarks.comm import CollectiveCounter  # noqa: E402
 from benchmarks.memory import LiveBytesCounter, live_storage_keys, tensors_since  # noqa: E402
 from benchmarks.report import MIB, _header, _ms, _ratio, _table, write_section  # noqa: E402
 from benchmarks.run import VARIANTS, BenchArgs, Impl, _rank_max, build, local_batch  # noqa: E402
@@ -180,7 +179,7 @@ def measure_memory(name: str, args: AccumArgs, mesh: DeviceMesh) -> dict[str, An
     counter.register(tensors_since(snapshot))
     phases = PhasePeaks(counter)
     dist.barrier()
-    with CollectiveCounter(scope=counter.collective_scope) as coll, counter:
+    with fc.CollectiveRecorder(scope=counter.collective_scope) as coll, counter:
         run_window(impl, batches, phases)
     counter.close()
     values = [counter.baseline_bytes, counter.hidden_bytes, phases.after["no_sync"]]
@@ -188,7 +187,8 @@ def measure_memory(name: str, args: AccumArgs, mesh: DeviceMesh) -> dict[str, An
     keys = ["start", "hidden", "held", "no_sync", "sync", "optimizer"]
     result: dict[str, Any] = dict(zip(keys, _rank_max(values), strict=True))
     result["window"] = max(result["start"], result["no_sync"], result["sync"], result["optimizer"])
-    result["collectives"] = {kind: [coll.calls[kind], coll.bytes[kind]] for kind in sorted(coll.bytes)}
+    calls, nbytes = coll.counts(), coll.bytes_per_kind()
+    result["collectives"] = {kind: [calls[kind], nbytes[kind]] for kind in sorted(nbytes)}
     del impl, snapshot, batches
     gc.collect()
     return result

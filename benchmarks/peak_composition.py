@@ -41,12 +41,12 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 
+import fsdp_compose as fc  # noqa: E402
 from benchmarks.accumulation import AccumArgs, parse_args, run_window, warmed_up  # noqa: E402
-from benchmarks.comm import CollectiveCounter  # noqa: E402
 from benchmarks.memory import LiveBytesCounter, live_storage_keys, storages_of, tensors_since  # noqa: E402
 from benchmarks.report import MIB  # noqa: E402
 
-_SITES = ("fsdp_compose/", "torch/distributed/fsdp/", "examples/gpt_model", "torch/autograd/")
+_SITES = ("fsdp_compose/", "torch/distributed/fsdp/", "fsdp_compose/plan/gpt.py", "torch/autograd/")
 
 
 _GENERIC = ("allocate", "__call__", "_fn", "wrapper")
@@ -173,7 +173,7 @@ _CATEGORIES = (  # (substring of the label, category), first match wins
     ("start_unshard", "all-gather output / input"),
     ("< foreach_all_gather", "all-gather output / input"),
     ("_get_param_all_gather_inputs", "all-gather output / input"),
-    ("examples/gpt_model", "activations (forward)"),
+    ("fsdp_compose/plan/gpt.py", "activations (forward)"),
     ("torch/autograd/", "autograd backward (activation and parameter gradients)"),
 )
 
@@ -220,7 +220,7 @@ def measure(name: str, args: AccumArgs, mesh: DeviceMesh) -> dict[str, Any]:
     counter.register(tensors_since(snapshot))
     phase = _SyncPhase(counter, name, impl.model)
     dist.barrier()
-    with CollectiveCounter(scope=counter.collective_scope), counter:
+    with fc.CollectiveRecorder(scope=counter.collective_scope), counter:
         phase.name_known()  # e.g. full parameter storages parked at 0 bytes
         run_window(impl, batches, phase, step=False)
     by_label: dict[str, int] = defaultdict(int)

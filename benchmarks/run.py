@@ -6,7 +6,7 @@ Spawns ``--nproc`` gloo ranks (one torch thread each). Per config, every rank bu
 seed and trains them on the same batches, interleaving steps A, B, C, A, B, C, ... with a barrier before and after
 each step; the figures of merit are the medians of the per-round time ratios (noise hits neighbouring steps alike).
 Then each implementation alone (the others deleted) runs one non-timed step under the live-bytes counter
-(``benchmarks/memory.py``), and one step under the collective counter (``benchmarks/comm.py``). See
+(``benchmarks/memory.py``), and one step under ``fc.CollectiveRecorder`` (minimum bytes: ``benchmarks/comm.py``). See
 benchmarks/README.md.
 """
 
@@ -39,7 +39,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E40
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import fsdp_compose as fc  # noqa: E402
-from benchmarks.comm import CollectiveCounter, UnitSpec, min_collective_bytes  # noqa: E402
+from benchmarks.comm import UnitSpec, min_collective_bytes  # noqa: E402
 from benchmarks.memory import LiveBytesCounter, live_storage_keys, tensors_since  # noqa: E402
 from benchmarks.report import render_tables, write_section  # noqa: E402
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
@@ -185,9 +185,9 @@ def time_interleaved(impls: dict[str, Impl], args: BenchArgs) -> dict[str, list[
 
 
 def count_collectives(impl: Impl, args: BenchArgs) -> dict[str, Any]:
-    with CollectiveCounter() as counter:
+    with fc.CollectiveRecorder() as recorder:
         impl.step(*local_batch(args, args.steps + 1))
-    return {"bytes": counter.total_bytes, "by_kind": dict(counter.bytes), "calls": dict(counter.calls)}
+    return {"bytes": recorder.total_bytes, "by_kind": dict(recorder.bytes_per_kind()), "calls": dict(recorder.counts())}
 
 
 def _rank_max(values: list[int]) -> list[int]:
@@ -209,7 +209,7 @@ def measure_memory(name: str, variant: Variant, args: BenchArgs, mesh: DeviceMes
     counter = LiveBytesCounter()
     counter.register(tensors_since(snapshot))
     dist.barrier()
-    with CollectiveCounter(scope=counter.collective_scope), counter:
+    with fc.CollectiveRecorder(scope=counter.collective_scope), counter:
         impl.step(x, y)
     counter.close()
     stats = [counter.peak_bytes, counter.baseline_bytes, counter.late_bytes, counter.hidden_bytes]

@@ -10,7 +10,6 @@ check_torch_version()  # before anything that needs the newer torch APIs
 
 from .api import (  # noqa: E402
     UnshardHandle,
-    fully_shard,
     get_state,
     is_fully_sharded,
     no_sync,
@@ -42,8 +41,10 @@ from .description import (  # noqa: E402
 )
 from .extensions import CastAllGather, Int8AllGather, ShardExtensions  # noqa: E402
 from .fsdp2 import FSDP2_METHOD_NAMES, bind_fsdp2_methods, has_fsdp2_methods, share_comm_ctx  # noqa: E402
+from .init import fully_shard  # noqa: E402
 from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
 from .ports import ported  # noqa: E402
+from .recorder import CollectiveRecord, CollectiveRecorder  # noqa: E402
 from .state_dict import full_state_dict, load_full_state_dict  # noqa: E402
 
 __version__ = "0.1.0"
@@ -52,6 +53,8 @@ __all__ = [
     "FSDP2_METHOD_NAMES",
     "CPUOffloadPolicy",
     "CastAllGather",
+    "CollectiveRecord",
+    "CollectiveRecorder",
     "DataParallelMeshDims",
     "Int8AllGather",
     "MixedPrecisionPolicy",

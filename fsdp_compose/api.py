@@ -1,4 +1,4 @@
-"""The functions that act on a sharded module (``fully_shard`` itself lives in init.py).
+"""The functions that act on a sharded module (``fully_shard`` itself lives in init.py, which builds on this module).
 
 FSDP2 puts these on a swapped class; here they are plain functions taking the module, so the class never changes.
 """
@@ -14,12 +14,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .init import fully_shard, get_state, post_forward_group_for, reshard_after_forward_setting
-from .state import GradientAccumulation, ShardState, states_under
+from .meshes import post_forward_group_for, reshard_after_forward_setting
+from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
 
 __all__ = [
     "UnshardHandle",
-    "fully_shard",
     "get_state",
     "is_fully_sharded",
     "no_sync",
@@ -43,6 +42,13 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------- functions on a sharded module
+def get_state(module: nn.Module) -> ShardState | None:
+    """The state ``fully_shard`` attached to this module instance, or None."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
+    return module.__dict__.get(STATE_ATTR)
+
+
 def is_fully_sharded(module: nn.Module) -> bool:
     """True when ``fully_shard`` was called on this module (directly or as part of a list)."""
     return get_state(module) is not None

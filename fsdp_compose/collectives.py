@@ -1,8 +1,12 @@
-"""The flat collectives a unit issues, under whichever names this torch release has.
+"""The flat collectives a unit issues, under whichever names this torch release has, looked up at every call.
 
 torch 2.13 names them ``all_gather_single`` / ``reduce_scatter_single`` and warns on the older
-``all_gather_into_tensor`` / ``reduce_scatter_tensor``; releases before that only have the older names. The lookup
-happens once at import; nothing is patched.
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``; releases before that only have the older names. Every call
+reads the function from ``torch.distributed`` at that moment, as torch's ``fully_shard`` does, so code that replaces
+``torch.distributed.all_gather_single`` (torch's own tests, :class:`fsdp_compose.recorder.CollectiveRecorder`) sees
+each call. The new name is called where it exists; the older name only where it is the one that was replaced (the
+new one being torch's own): a replacement of either name is seen, and fsdp_compose never calls torch's deprecated
+functions itself (no ``FutureWarning``). Nothing is patched here.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.profiler import record_function
 
 __all__ = ["Work", "all_gather_flat", "all_reduce", "all_reduce_max", "labelled", "reduce_scatter_flat"]
@@ -25,22 +30,37 @@ class Work(Protocol):
     def is_completed(self) -> bool: ...
 
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _resolve(new: str, old: str) -> Any:
+    """``torch.distributed``'s function named ``new`` now, or ``old`` where only that one was replaced or exists."""
+    current = getattr(dist, new, None)
+    if current is None:
+        return getattr(dist, old)
+    replaced_old = getattr(dist, old, None)
+    if (
+        replaced_old is not None
+        and replaced_old is not getattr(c10d, old, None)
+        and current is getattr(c10d, new, None)
+    ):
+        return replaced_old
+    return current
 
 
 def all_gather_flat(
     output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
 ) -> Work | None:
     """Concatenate every rank's equally sized ``shard`` into ``output`` (rank-major)."""
-    return cast("Work | None", _all_gather(output, shard, group=group, async_op=async_op))
+    return cast(
+        "Work | None",
+        _resolve("all_gather_single", "all_gather_into_tensor")(output, shard, group=group, async_op=async_op),
+    )
 
 
 def reduce_scatter_flat(
     output: torch.Tensor, buffer: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
 ) -> Work | None:
     """Sum ``buffer`` over ranks and give rank ``r`` the ``r``-th equal slice in ``output``."""
-    return cast("Work | None", _reduce_scatter(output, buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
+    reduce_scatter = _resolve("reduce_scatter_single", "reduce_scatter_tensor")
+    return cast("Work | None", reduce_scatter(output, buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Work | None:

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .init import get_state
+from .api import get_state
 from .policies import MixedPrecisionPolicy
 from .schedule import StepSchedule
 

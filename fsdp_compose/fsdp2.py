@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from . import api
-from .init import get_state
+from .api import get_state
 from .state import states_under
 
 __all__ = ["FSDP2_METHOD_NAMES", "bind_fsdp2_methods", "has_fsdp2_methods", "share_comm_ctx"]

@@ -19,15 +19,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .api import get_state
 from .extensions import ShardExtensions
 from .flat import MOVED_ATTR, OWNER_ATTR
+from .fsdp2 import bind_fsdp2_methods
 from .meshes import (
-    PostForwardGroup,
     check_dp_mesh,
-    check_post_forward_size,
     dp_mesh_from_dims,
     param_placing,
-    post_forward_group,
+    post_forward_group_for,
+    reshard_after_forward_setting,
     spmd_param_placing,
 )
 from .offload import check_offload_policy
@@ -44,20 +45,13 @@ from .unit import ShardedUnit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fully_shard", "get_state", "post_forward_group_for", "reshard_after_forward_setting"]
+__all__ = ["fully_shard"]
 
 # The argument's own type comes back (``fully_shard(model)`` is typed as the model's class, a list of Linear as that
 # list); at run time a sequence must be a list or tuple.
 ModuleOrList = TypeVar("ModuleOrList", bound="nn.Module | Sequence[nn.Module]")
 
 _ParamEntry = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
-
-
-def get_state(module: nn.Module) -> ShardState | None:
-    """The state ``fully_shard`` attached to this module instance, or None."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
-    return module.__dict__.get(STATE_ATTR)
 
 
 def fully_shard(
@@ -88,6 +82,8 @@ def fully_shard(
     ``dp_mesh_dims``: ``mesh`` is then the full SPMD mesh and names which of its dims are data-parallel (see
     ``DataParallelMeshDims``). ``fsdp2_methods=True`` also binds FSDP2's method names on the module instance
     (``module.set_requires_gradient_sync(False)``, ``module.unshard()``...; see ``fc.bind_fsdp2_methods``).
+    ``ignored_params``: parameters left alone (not sharded, cast, moved nor reduced); as in torch, one model-wide set
+    may go to every call, each call ignoring those under its modules.
 
     Returns the same object(s) it was given.
     """
@@ -179,8 +175,6 @@ def fully_shard(
         m.__dict__[STATE_ATTR] = state
     state.register_hooks()
     if fsdp2_methods:
-        from .fsdp2 import bind_fsdp2_methods  # fsdp2.py builds on api.py, which imports this module
-
         for m in modules:
             bind_fsdp2_methods(m, recurse=False)
     if logger.isEnabledFor(logging.DEBUG):
@@ -207,33 +201,6 @@ def _precision_text(policy: MixedPrecisionPolicy) -> str:
 
 
 # ---------------------------------------------------------------------- validation
-def reshard_after_forward_setting(
-    value: object, mesh: DeviceMesh, owner: str, *, allow_none: bool = True
-) -> bool | int | None:
-    """Check ``reshard_after_forward`` and normalize it: an int that equals the shard group's size is True, 1 is
-    False (every rank keeps everything); any other int stays (a post-forward group of that size)."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, int):
-        raise TypeError(f"reshard_after_forward for {owner} must be None, a bool or an int, got {value!r}")
-    shard_size = mesh.size(mesh.ndim - 1)
-    check_post_forward_size(value, shard_size, owner)
-    if value == shard_size:
-        return True
-    if value == 1:
-        return False
-    return value
-
-
-def post_forward_group_for(setting: bool | int | None, mesh: DeviceMesh) -> PostForwardGroup | None:
-    """The group an int setting (normalized, so ``1 < k < W``) reshards to after forward; None for the others."""
-    if isinstance(setting, int) and not isinstance(setting, bool):
-        return post_forward_group(mesh, setting)
-    return None
-
-
 def _as_module_list(module: Any) -> list[nn.Module]:
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
@@ -282,8 +249,14 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def _ignored_ids(ignored_params: object, modules: list[nn.Module], owner_name: str) -> set[int]:
-    """Ids of the parameters to leave alone: one ``nn.Parameter`` or an iterable of them, each a parameter of
-    ``modules`` (a detached copy, ``p.data`` or another module's parameter would silently not be ignored)."""
+    """Ids of the parameters under ``modules`` to leave alone, from one ``nn.Parameter`` or an iterable of them.
+
+    Torch's semantics: the same model-wide set may go to every ``fully_shard`` call, and each call ignores the
+    parameters of that set that are under its modules; the others are not its concern. Refused, because the caller
+    meant a parameter of these modules that would then silently be sharded: a tensor that is not an ``nn.Parameter``
+    (``p.detach()``, ``p.data``), and a parameter that is not one of the modules' but is the very same memory as one
+    of them (``nn.Parameter(p.data)``).
+    """
     if ignored_params is None:
         return set()
     if isinstance(ignored_params, torch.Tensor) and not isinstance(ignored_params, nn.Parameter):
@@ -300,7 +273,9 @@ def _ignored_ids(ignored_params: object, modules: list[nn.Module], owner_name: s
         )
     else:
         entries = list(ignored_params)
-    owned = {id(p): name for m in modules for name, p in m.named_parameters(remove_duplicate=False)}
+    owned = {id(p) for m in modules for _, p in m.named_parameters(remove_duplicate=False)}
+    same_memory: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] | None = None
+    ignored: set[int] = set()
     for index, entry in enumerate(entries):
         if not isinstance(entry, nn.Parameter):
             what = _tensor_text(entry) if isinstance(entry, torch.Tensor) else type(entry).__name__
@@ -309,13 +284,39 @@ def _ignored_ids(ignored_params: object, modules: list[nn.Module], owner_name: s
                 f"ignored_params of fully_shard on {owner_name}: entry {index} is a {what}, not an "
                 f"nn.Parameter{hint}; pass the module's parameters themselves"
             )
-        if id(entry) not in owned:
+        if id(entry) in owned:
+            ignored.add(id(entry))
+            continue
+        if same_memory is None:
+            same_memory = _parameter_memory(modules)
+        name = same_memory.get(_memory_key(entry)) if _has_memory(entry) else None
+        if name is not None:
             raise ValueError(
                 f"ignored_params of fully_shard on {owner_name}: entry {index} ({_tensor_text(entry)}) is not a "
-                f"parameter of {owner_name}{_alias_hint(entry, modules)}; pass parameters of the module being "
-                "sharded (e.g. {module.side.weight})"
+                f"parameter of {owner_name} but the same memory as its parameter '{name}' (an nn.Parameter made "
+                "from its .data?); pass the module's parameter itself"
             )
-    return {id(p) for p in entries}
+        # a parameter of another module: one model-wide set serves every fully_shard call
+    return ignored
+
+
+def _has_memory(tensor: torch.Tensor) -> bool:
+    return not tensor.is_meta and not isinstance(tensor, DTensor) and tensor.data_ptr() != 0
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Where a tensor's elements are: two distinct tensors with equal keys are the same memory, element for element
+    (views of one flat buffer at different offsets are not)."""
+    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def _parameter_memory(modules: list[nn.Module]) -> dict[tuple[int, tuple[int, ...], tuple[int, ...]], str]:
+    return {
+        _memory_key(p): name
+        for m in modules
+        for name, p in m.named_parameters(remove_duplicate=False)
+        if _has_memory(p)
+    }
 
 
 def _tensor_text(tensor: torch.Tensor) -> str:

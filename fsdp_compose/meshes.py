@@ -43,7 +43,9 @@ __all__ = [
     "dp_mesh_from_dims",
     "param_placing",
     "post_forward_group",
+    "post_forward_group_for",
     "reduce_scatter_group",
+    "reshard_after_forward_setting",
     "spmd_param_placing",
 ]
 
@@ -464,3 +466,31 @@ def reduce_scatter_group(dp: DataParallelMesh) -> dist.ProcessGroup:
         assert group is not None
         cache[name] = group
     return cache[name]
+
+
+# ---------------------------------------------------------------------- reshard_after_forward
+def reshard_after_forward_setting(
+    value: object, mesh: DeviceMesh, owner: str, *, allow_none: bool = True
+) -> bool | int | None:
+    """Check ``reshard_after_forward`` and normalize it: an int that equals the shard group's size is True, 1 is
+    False (every rank keeps everything); any other int stays (a post-forward group of that size)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward for {owner} must be None, a bool or an int, got {value!r}")
+    shard_size = mesh.size(mesh.ndim - 1)
+    check_post_forward_size(value, shard_size, owner)
+    if value == shard_size:
+        return True
+    if value == 1:
+        return False
+    return value
+
+
+def post_forward_group_for(setting: bool | int | None, mesh: DeviceMesh) -> PostForwardGroup | None:
+    """The group an int setting (normalized, so ``1 < k < W``) reshards to after forward; None for the others."""
+    if isinstance(setting, int) and not isinstance(setting, bool):
+        return post_forward_group(mesh, setting)
+    return None

@@ -109,10 +109,11 @@ SHARD_CASES: dict[str, ShardCase] = {
         r"memory with parameter 'pos_emb'",
         lambda: _shard(m, ws, ignored_params=m.pos_emb.data),
     ),
-    "ignored_params_of_another_module": lambda m, rank, ws: (
+    "ignored_params_same_memory_as_a_parameter": lambda m, rank, ws: (
         ValueError,
-        r"entry 1 \(Parameter of shape \(2, 3\) and dtype torch.float32\) is not a parameter of GPT",
-        lambda: _shard(m, ws, ignored_params=[m.pos_emb, nn.Linear(3, 2).weight]),
+        r"entry 1 \(Parameter of shape \(97, 18\) and dtype torch.float32\) is not a parameter of GPT but the same "
+        r"memory as its parameter 'head.weight' \(an nn.Parameter made from its .data\?\)",
+        lambda: _shard(m, ws, ignored_params=[m.pos_emb, nn.Parameter(m.head.weight.data)]),
     ),
     "ignored_params_names": lambda m, rank, ws: (
         TypeError,

@@ -30,19 +30,10 @@ MAX_NORM = 1e-3  # far below every gradient norm here: the clip coefficient is <
 
 
 def _count_all_reduces(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
-    calls = 0
-    original = dist.all_reduce
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
-        return fn(), calls
-    finally:
-        dist.all_reduce = original
+    """``fn()`` and the all-reduces it issued (``torch.distributed``'s and DTensor's functional ones)."""
+    with fc.CollectiveRecorder() as recorder:
+        result = fn()
+    return result, recorder.counts()["all_reduce"]
 
 
 def _compare(

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 import fsdp_compose as fc
-import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from tests.dist_utils import local_batch, mesh_1d, mesh_nd, reference_and_copy, shard_gpt, train_pair
 
@@ -22,21 +21,12 @@ def _compressed_all_gather(rank: int, ws: int, kind: str) -> dict[str, Any]:
     transform = fc.Int8AllGather() if kind == "int8" else fc.CastAllGather(torch.bfloat16)
     shard_gpt(model, mesh_1d(ws), extensions=fc.ShardExtensions(all_gather=transform))
     shard_gpt(plain, mesh_1d(ws))
-    gathered: list[tuple[torch.dtype, int]] = []
-    original = unit_module.all_gather_flat
-
-    def recording(output: torch.Tensor, shard: torch.Tensor, group: Any, *, async_op: bool) -> Any:
-        gathered.append((shard.dtype, shard.numel()))
-        return original(output, shard, group, async_op=async_op)
-
     inputs, _ = synthetic_batch(cfg, 4, 0)
     x = local_batch(inputs, rank, ws)
-    unit_module.all_gather_flat = recording
-    try:
-        with torch.no_grad():
-            out = model(x)
-    finally:
-        unit_module.all_gather_flat = original
+    with fc.CollectiveRecorder() as recorder, torch.no_grad():
+        out = model(x)
+    # each rank's payload: the all-gather's output over the group size
+    gathered = [(r.dtype, r.numel // r.group_size) for r in recorder.records if r.kind == "all_gather"]
     with torch.no_grad():
         exact = plain(x)
     segments = [fc.get_state(m).unit.layout.segment_numel for m in [model, *model.blocks]]

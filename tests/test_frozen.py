@@ -12,8 +12,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp_compose as fc
-import fsdp_compose.grads as grads_module
-import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
 from tests.dist_utils import local_batch, make_optimizer, max_param_diff, mesh_1d, reference_and_copy, shard_gpt
 
@@ -26,28 +24,26 @@ def _freeze_blocks(model: GPT, indices: list[int], frozen: bool = True) -> None:
 
 
 class _CollectiveLog:
-    """Records the element counts of the all-gathers and reduce-scatters fsdp_compose issues (test-side patch)."""
-
-    def __init__(self) -> None:
-        self.gathered: list[int] = []
-        self.reduced: list[int] = []
+    """Element counts of the process's all-gathers (output) and reduce-scatters (input) through ``torch.distributed``
+    (``fc.CollectiveRecorder``; DTensor's functional collectives, e.g. ``full_tensor()`` in the checks, left out)."""
 
     def __enter__(self) -> _CollectiveLog:
-        self._ag, self._rs = unit_module.all_gather_flat, grads_module.reduce_scatter_flat
-
-        def ag(output: torch.Tensor, shard: torch.Tensor, group: Any, *, async_op: bool) -> Any:
-            self.gathered.append(output.numel())
-            return self._ag(output, shard, group, async_op=async_op)
-
-        def rs(output: torch.Tensor, buffer: torch.Tensor, group: Any, *, async_op: bool) -> Any:
-            self.reduced.append(buffer.numel())
-            return self._rs(output, buffer, group, async_op=async_op)
-
-        unit_module.all_gather_flat, grads_module.reduce_scatter_flat = ag, rs
+        self._recorder = fc.CollectiveRecorder().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        unit_module.all_gather_flat, grads_module.reduce_scatter_flat = self._ag, self._rs
+        self._recorder.__exit__(*exc)
+
+    def _numels(self, kind: str) -> list[int]:
+        return [r.numel for r in self._recorder.records if r.kind == kind and not r.functional]
+
+    @property
+    def gathered(self) -> list[int]:
+        return self._numels("all_gather")
+
+    @property
+    def reduced(self) -> list[int]:
+        return self._numels("reduce_scatter")
 
 
 def _train_with_schedule(

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import fsdp_compose as fc
+from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
 from tests.dist_utils import full_value, local_batch, max_param_diff, mesh_1d, mesh_nd
 
 
@@ -164,6 +165,56 @@ def test_dp_mesh_dims_matches_torchs_fully_shard(run_dist, shape, names, kw) -> 
         assert losses[1] == pytest.approx(losses[0], abs=1e-6)
         assert losses[0][-1] < losses[0][0]
         assert same_placements  # the sharded parameters live on the full mesh, placed as torch places them
+
+
+# ---------------------------------------------------------------------- ignored_params: one model-wide set
+def _ignored_model_wide(rank: int, ws: int, frozen: bool) -> dict[str, Any]:
+    """The same model-wide ``ignored_params`` set passed to every ``fully_shard`` call, in both libraries: each call
+    ignores the parameters of the set that are under its modules. ``frozen``: the ignored parameters do not train
+    (left untouched); otherwise they train on each rank's own gradient (ignored: never reduced), in both alike."""
+    torch.manual_seed(0)
+    reference = GPT(GPTConfig(vocab_size=32, seq_len=8, dim=16, n_layers=2, n_heads=2))
+    models = {"torch": copy.deepcopy(reference), "fc": copy.deepcopy(reference)}
+    initial: dict[str, torch.Tensor] = {}
+    for impl, model in models.items():
+        shard = torch_fsdp.fully_shard if impl == "torch" else fc.fully_shard
+        # in a block, in the other block's submodule, and on the root: every call gets the whole set
+        ignored = {model.blocks[0].ln1.weight, model.blocks[1].mlp.fc.bias, model.pos_emb}
+        names = {n for n, p in model.named_parameters() if p in ignored}
+        if frozen:
+            for p in ignored:
+                p.requires_grad_(False)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
+        for block in model.blocks:
+            shard(block, mesh=mesh_1d(ws), ignored_params=ignored)
+        shard(model, mesh=mesh_1d(ws), ignored_params=ignored)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        for step in range(3):
+            inputs, targets = synthetic_batch(reference.cfg, 2 * ws, step=step)
+            opt.zero_grad()
+            loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
+            opt.step()
+    params = {impl: dict(m.named_parameters()) for impl, m in models.items()}
+    return {
+        "names": sorted(names),
+        "plain": {impl: sorted(n for n, p in ps.items() if not isinstance(p, DTensor)) for impl, ps in params.items()},
+        "diff": max_param_diff(models["fc"], models["torch"]),
+        "untouched": max((params["fc"][n].detach() - initial[n]).abs().max().item() for n in names),
+        "moved": max((params["torch"][n].detach() - initial[n]).abs().max().item() for n in names),
+    }
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+@pytest.mark.parametrize("ws", [2, 4])
+def test_one_model_wide_ignored_params_set_is_filtered_per_call_as_torch_does(run_dist, ws: int, frozen: bool) -> None:
+    for r in run_dist(ws, _ignored_model_wide, frozen):
+        assert r["names"] == ["blocks.0.ln1.weight", "blocks.1.mlp.fc.bias", "pos_emb"]
+        assert r["plain"]["fc"] == r["plain"]["torch"] == r["names"]  # unsharded, plain tensors, in both
+        assert r["diff"] <= 1e-5  # every parameter, the ignored ones included, equal to torch's
+        if frozen:
+            assert r["untouched"] == 0.0 and r["moved"] == 0.0
+        else:
+            assert r["moved"] > 0  # trained on the rank's own (never reduced) gradient, as torch does
 
 
 def _bad_dims(rank: int, ws: int) -> list[str]:

@@ -19,7 +19,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import fsdp_compose as fc
-import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.offload import UnitDevices
 from fsdp_compose.unit import ShardedUnit
@@ -74,7 +73,7 @@ def _check_placement(model: nn.Module) -> None:
 def _recording() -> Iterator[dict[str, list[Any]]]:
     """Record every host -> device copy, every all-gather input and every device -> host copy of gradients."""
     record: dict[str, list[Any]] = {"to_compute": [], "all_gather": [], "to_shard": []}
-    to_compute, to_shard, all_gather = UnitDevices.to_compute, UnitDevices.to_shard, unit_module.all_gather_flat
+    to_compute, to_shard = UnitDevices.to_compute, UnitDevices.to_shard
 
     def recording_to_compute(self: UnitDevices, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         out = to_compute(self, flat, dtype)
@@ -86,19 +85,18 @@ def _recording() -> Iterator[dict[str, list[Any]]]:
         record["to_shard"].append((self, reduced, out))
         return out
 
-    def recording_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any, *, async_op: bool) -> Any:
-        record["all_gather"].append(shard)
-        return all_gather(output, shard, group, async_op=async_op)
+    def recording_all_gather(call: fc.CollectiveRecord, inputs: tuple[torch.Tensor, ...], _: Any) -> None:
+        if call.kind == "all_gather" and not call.functional:
+            record["all_gather"].append(inputs[0])
 
     UnitDevices.to_compute = recording_to_compute  # type: ignore[method-assign]
     UnitDevices.to_shard = recording_to_shard  # type: ignore[method-assign]
-    unit_module.all_gather_flat = recording_all_gather  # type: ignore[assignment]
     try:
-        yield record
+        with fc.CollectiveRecorder(observer=recording_all_gather):
+            yield record
     finally:
         UnitDevices.to_compute = to_compute  # type: ignore[method-assign]
         UnitDevices.to_shard = to_shard  # type: ignore[method-assign]
-        unit_module.all_gather_flat = all_gather
 
 
 # ---------------------------------------------------------------------------------------------------- parity

@@ -198,3 +198,17 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_the_gpt_preset_builds_the_example_model() -> None:
+    """The planner's ``gpt`` preset is the example's GPT (one definition), so what it plans is what the example
+    trains: same class, same config defaults, same parameter names and shapes."""
+    import examples.gpt_model as example
+
+    spec = fp.load_model_spec("gpt")
+    assert type(spec.model) is example.GPT and GPT is example.GPT and GPTConfig is example.GPTConfig
+    reference = example.GPT(example.GPTConfig())
+    assert [(n, p.shape) for n, p in spec.model.named_parameters()] == [
+        (n, p.shape) for n, p in reference.named_parameters()
+    ]
+    assert spec.units == list(spec.model.blocks)  # type: ignore[arg-type]

@@ -13,8 +13,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compose as fc
-import fsdp_compose.grads as grads_module
-import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from tests.dist_utils import (
     full_value,
@@ -144,18 +142,13 @@ def _sync_reduces_the_accumulation_buffer_in_place(rank: int, ws: int) -> tuple[
         loss_fn(model(x), y).backward()
     accumulated = {u.grads.buffer.data_ptr(): tuple(u.grads.buffer.shape) for u in units}
     reduced_inputs: list[int] = []
-    original = grads_module.reduce_scatter_flat
 
-    def recording(output: torch.Tensor, buffer: torch.Tensor, group: Any, *, async_op: bool) -> Any:
-        reduced_inputs.append(buffer.data_ptr())
-        return original(output, buffer, group, async_op=async_op)
+    def recording(call: fc.CollectiveRecord, inputs: tuple[torch.Tensor, ...], _: Any) -> None:
+        if call.kind == "reduce_scatter":
+            reduced_inputs.append(inputs[0].data_ptr())
 
-    grads_module.reduce_scatter_flat = recording
-    try:
-        with _Factories() as factories:
-            loss_fn(model(x), y).backward()
-    finally:
-        grads_module.reduce_scatter_flat = original
+    with fc.CollectiveRecorder(observer=recording), _Factories() as factories:
+        loss_fn(model(x), y).backward()
     in_place = sorted(reduced_inputs) == sorted(accumulated)
     # no new reduce-scatter-sized fp32 buffer appeared during the synced micro-batch
     second_buffers = [c for c in factories.created if c[1] == torch.float32 and c[0] in accumulated.values()]
@@ -177,23 +170,23 @@ def _low_precision_gather_in_place(rank: int, ws: int) -> tuple[list[bool], floa
     reference, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws), mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     in_place: list[bool] = []
-    original = unit_module.all_gather_flat
 
-    def recording(output: torch.Tensor, shard: torch.Tensor, group: Any, *, async_op: bool) -> Any:
+    def recording(
+        call: fc.CollectiveRecord, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]
+    ) -> None:
+        if call.kind != "all_gather" or call.functional:
+            return
+        shard, output = inputs[0], outputs[0]
         offset = rank * shard.numel() * shard.element_size()
         in_place.append(
             shard.dtype == output.dtype == torch.bfloat16
             and shard.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()
             and shard.data_ptr() == output.data_ptr() + offset
         )
-        return original(output, shard, group, async_op=async_op)
 
-    unit_module.all_gather_flat = recording
-    try:
+    with fc.CollectiveRecorder(observer=recording):
         inputs, targets = synthetic_batch(cfg, 4, 0)
         loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
-    finally:
-        unit_module.all_gather_flat = original
     # the values gathered are the bf16 casts of the parameters
     with torch.no_grad():
         fc.unshard(model.blocks[0])

@@ -5,10 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 import fsdp_compose as fc
-import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.unit import UnitState
 from tests.dist_utils import mesh_1d, mesh_nd, reference_and_copy, shard_gpt, tp_mlps, train_on_dp_mesh, train_pair
@@ -45,15 +43,7 @@ def _what_backward_gathers(rank: int, ws: int) -> dict[str, Any]:
     shard_gpt(model, mesh_1d(ws))
     fc.set_reshard_after_forward(model.blocks, 2)  # on every block (recurse), after fully_shard
     fc.set_reshard_after_forward(model, False, recurse=False)
-    seen: list[int] = []
-    original = unit_module.all_gather_flat
-
-    def recording(output: torch.Tensor, shard: torch.Tensor, group: Any, *, async_op: bool) -> Any:
-        seen.append(torch.distributed.get_world_size(group))
-        return original(output, shard, group, async_op=async_op)
-
-    unit_module.all_gather_flat = recording  # type: ignore[assignment]
-    try:
+    with fc.CollectiveRecorder() as recorder:
         inputs, targets = synthetic_batch(cfg, 8, 0)
         loss = loss_fn(model(inputs.chunk(ws)[rank]), targets.chunk(ws)[rank])
         units = [fc.get_state(block).unit for block in model.blocks]  # type: ignore[union-attr]
@@ -66,13 +56,13 @@ def _what_backward_gathers(rank: int, ws: int) -> dict[str, Any]:
             (b.shape[0], b.shape[1] == u.layout.segment_numel) if b is not None else None
             for b, u in zip(blocks, units, strict=True)
         ]
-        forward_gathers = list(seen)
-        seen.clear()
-        loss.backward()
+        with recorder.labelled("backward"):
+            loss.backward()
         after_backward = [u.state for u in units]
-        backward_gathers = list(seen)
-    finally:
-        unit_module.all_gather_flat = original  # type: ignore[assignment]
+    # the group size of each all-gather, in forward and in backward
+    gathers = [r for r in recorder.records if r.kind == "all_gather" and not r.functional]
+    forward_gathers = [r.group_size for r in gathers if r.label == ""]
+    backward_gathers = [r.group_size for r in gathers if r.label == "backward"]
     # one more step with the reference: the values used in backward were right
     return {
         "after_forward": after_forward,

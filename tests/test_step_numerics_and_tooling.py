@@ -18,7 +18,6 @@ from torch.profiler import ProfilerActivity, profile
 
 import fsdp_compose as fc
 import fsdp_compose.collectives as collectives_module
-import fsdp_compose.grads as grads_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.sharding import FlatLayout, chunk_rows
 from tests.dist_utils import full_value, local_batch, max_param_diff, mesh_1d, mesh_nd, reference_and_copy, shard_gpt
@@ -89,18 +88,19 @@ def _padding_of_reduce_scatter_inputs(rank: int, ws: int) -> dict[str, Any]:
         if rows < slot.rows
     ]
     inputs: list[torch.Tensor] = []
-    real = grads_module.reduce_scatter_flat
 
-    def recording(output: torch.Tensor, buffer: torch.Tensor, group: Any, *, async_op: bool) -> Any:
-        inputs.append(buffer.detach().clone())
-        return real(output, buffer, group, async_op=async_op)
+    def recording(call: fc.CollectiveRecord, buffers: tuple[torch.Tensor, ...], _: Any) -> None:
+        if call.kind == "reduce_scatter":
+            inputs.append(buffers[0].detach().clone())  # the input is only read (gloo reduces a copy of it)
+
+    recorder = fc.CollectiveRecorder(observer=recording)
 
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     was_filling = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
-    grads_module.reduce_scatter_flat = recording  # type: ignore[assignment]
+    recorder.__enter__()
     try:
         assert torch.empty(4).isnan().all()  # uninitialised memory is NaN from here on
         grad_diffs, finite = [], []
@@ -117,7 +117,7 @@ def _padding_of_reduce_scatter_inputs(rank: int, ws: int) -> dict[str, Any]:
                 max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())  # type: ignore[operator]
             )
     finally:
-        grads_module.reduce_scatter_flat = real
+        recorder.__exit__(None, None, None)
         torch.utils.deterministic.fill_uninitialized_memory = was_filling  # type: ignore[attr-defined]
         torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
     nonzero_padding = 0

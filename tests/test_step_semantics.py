@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_compose as fc
-import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.sharding import FlatLayout
 from tests.dist_utils import full_value, local_batch, max_param_diff, mesh_1d, reference_and_copy, shard_gpt
@@ -211,44 +210,33 @@ def _explicit_async_unshard(rank: int, ws: int) -> dict[str, Any]:
         for name, m in unit_params.items()
     }
     assert len(sizes) == 3
-    phase = ["setup"]
-    gathers: list[tuple[str, str]] = []
-    real = unit_module.all_gather_flat
-
-    def counting(output: torch.Tensor, shard: torch.Tensor, group: Any, *, async_op: bool) -> Any:
-        gathers.append((phase[0], sizes.get(output.numel(), "?")))
-        return real(output, shard, group, async_op=async_op)
-
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     per_step: list[list[tuple[str, str]]] = []
     handles: list[str] = []
-    unit_module.all_gather_flat = counting  # type: ignore[assignment]
-    try:
-        for step in range(4):
-            x, y = _regression_batch(step, ws, 8, 1)
-            gathers.clear()
-            phase[0] = "unshard"
-            if step == 2:
-                handle = fc.unshard(blocks["block0"], async_op=True)  # consumed by this step's forward
-                handles.append(type(handle).__name__)
-            if step == 3:
-                handle = fc.unshard(blocks["block1"], async_op=True)
-                handles.append(type(handle).__name__)
-                handle.wait()  # type: ignore[union-attr]
-            phase[0] = "forward"
-            loss = F.mse_loss(model(local_batch(x, rank, ws)), local_batch(y, rank, ws))
-            phase[0] = "backward"
-            loss.backward()
-            phase[0] = "optimizer"
-            opt.step()
-            opt.zero_grad()
-            per_step.append(list(gathers))
-            ref_opt.zero_grad()
-            F.mse_loss(reference(x), y).backward()
-            ref_opt.step()
-    finally:
-        unit_module.all_gather_flat = real
+    for step in range(4):
+        x, y = _regression_batch(step, ws, 8, 1)
+        with fc.CollectiveRecorder() as recorder:
+            with recorder.labelled("unshard"):
+                if step == 2:
+                    handle = fc.unshard(blocks["block0"], async_op=True)  # consumed by this step's forward
+                    handles.append(type(handle).__name__)
+                if step == 3:
+                    handle = fc.unshard(blocks["block1"], async_op=True)
+                    handles.append(type(handle).__name__)
+                    handle.wait()  # type: ignore[union-attr]
+            with recorder.labelled("forward"):
+                loss = F.mse_loss(model(local_batch(x, rank, ws)), local_batch(y, rank, ws))
+            with recorder.labelled("backward"):
+                loss.backward()
+            with recorder.labelled("optimizer"):
+                opt.step()
+                opt.zero_grad()
+        gathers = [r for r in recorder.records if r.kind == "all_gather" and not r.functional]
+        per_step.append([(r.label, sizes.get(r.numel, "?")) for r in gathers])
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
     return {
         "per_step": per_step,
         "handles": handles,

@@ -11,7 +11,6 @@ behind the figures and how they compare with real runs.
 """
 
 from .analytic import StateBytes, min_collective_bytes, sharded_state, zero3_floor
-from .comm import CollectiveTally
 from .live_bytes import LiveBytesCounter, live_storage_keys, storages_of, tensors_since
 from .models import PRESETS, GPTConfig, LlamaConfig, ModelSpec, load_model_spec
 from .peak_model import PeakModel, peak_model
@@ -21,7 +20,6 @@ from .step import MeshSetup, PlanConfig, StepRecord, build_mesh, measure_step
 
 __all__ = [
     "PRESETS",
-    "CollectiveTally",
     "GPTConfig",
     "LiveBytesCounter",
     "LlamaConfig",

@@ -200,7 +200,6 @@ class LiveBytesCounter(TorchDispatchMode):
         self.phase_peaks: dict[str, int] = {}
         self.phase_peak_op: dict[str, str] = {}
         self._peak_live: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
-        self.on_op: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None] | None = None
         self.on_new_peak: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ labels
@@ -390,7 +389,5 @@ class LiveBytesCounter(TorchDispatchMode):
             self._hand_over(seen[0])
         for st in outputs:
             self._track(st)
-        if self.on_op is not None:
-            self.on_op(func, args, kwargs, out)
         self._note_peak(func)
         return out

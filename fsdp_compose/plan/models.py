@@ -2,9 +2,8 @@
 
 Presets (``--model NAME``; ``--model-arg key=value`` changes a config field):
 
-- ``gpt``: the project's example GPT (the definition of ``examples/gpt_model.py``, copied: the library does not
-  import ``examples/``), with its deliberately uneven default sizes; ``gpt-124m`` is the same code at GPT-2 small
-  size.
+- ``gpt``: the project's example GPT (``gpt.py``, the one definition ``examples/gpt_model.py`` imports), with its
+  deliberately uneven default sizes; ``gpt-124m`` is the same code at GPT-2 small size.
 - ``llama-1b``, ``llama-8b``, ``llama-70b``: Llama-3-shaped decoders with Hugging Face's module layout
   (``model.embed_tokens``, ``model.layers[i].self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, RMSNorm,
   rotary embeddings, grouped-query attention, SwiGLU); 1B ties the output head to the embedding like Llama 3.2 1B.
@@ -27,6 +26,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
+
+from .gpt import GPT, Block, GPTConfig
 
 __all__ = ["GPT", "PRESETS", "GPTConfig", "Llama", "LlamaConfig", "ModelSpec", "load_model_spec"]
 
@@ -60,83 +61,7 @@ def _token_batch(vocab: int) -> Callable[[int, int], tuple[torch.Tensor, torch.T
     return make
 
 
-# ---------------------------------------------------------------------- GPT (examples/gpt_model.py)
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 97
-    seq_len: int = 13
-    dim: int = 18
-    n_layers: int = 2
-    n_heads: int = 3
-    mlp_ratio: int = 4
-    activation_checkpointing: bool = False
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
-        self.proj = nn.Linear(cfg.dim, cfg.dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))  # type: ignore[no-any-return]
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))  # type: ignore[no-any-return]
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.checkpointing = cfg.activation_checkpointing
-        self.ln1 = nn.LayerNorm(cfg.dim)
-        self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.dim)
-        self.mlp = MLP(cfg)
-
-    def _attn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn(self.ln1(x))  # type: ignore[no-any-return]
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln2(x))  # type: ignore[no-any-return]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.checkpointing:
-            x = x + checkpoint(self._attn, x, use_reentrant=False)
-            return x + checkpoint(self._mlp, x, use_reentrant=False)  # type: ignore[no-any-return]
-        x = x + self._attn(x)
-        return x + self._mlp(x)
-
-
-class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.pos_emb = nn.Parameter(torch.empty(cfg.seq_len, cfg.dim))
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.dim)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        nn.init.normal_(self.pos_emb, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(idx) + self.pos_emb[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))  # type: ignore[no-any-return]
-
-
+# ---------------------------------------------------------------------- GPT (gpt.py: the example's model)
 def gpt_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Tensor-parallel MLPs in every block: ``fc`` column-wise, ``proj`` row-wise (attention stays replicated)."""
     assert isinstance(model, GPT)

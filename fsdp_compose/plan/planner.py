@@ -90,8 +90,6 @@ def _notes(config: PlanConfig, record: StepRecord) -> list[str]:
             "of some op): under FakeTensorMode its metadata-only tensors are counted, which a real run does not; "
             "the peaks may be overstated where they coincide (plan with more warm-up steps)."
         )
-    if record.unknown_collectives:
-        notes.append(f"Collectives seen but not counted (unknown kinds): {record.unknown_collectives}.")
     return notes
 
 

@@ -4,7 +4,8 @@ and for a real run (gloo, NCCL), so their figures can be compared one to one.
 :func:`measure_step` builds the model from a :class:`PlanConfig` (tensor parallelism first, then ``fc.fully_shard``
 on every block and the root), runs ``warmup_steps`` steps (lazy initialization, optimizer state), then one step
 under a :class:`~fsdp_compose.plan.live_bytes.LiveBytesCounter` with phases ``forward`` (model and loss),
-``backward`` and ``optimizer`` (step, then ``zero_grad(set_to_none=True)``), counting collectives from the same ops.
+``backward`` and ``optimizer`` (step, then ``zero_grad(set_to_none=True)``), counting its collectives with
+:class:`fsdp_compose.CollectiveRecorder` (the recorder the tests and benchmarks use).
 Storages are labelled by what they are: known objects before the step (sharded parameters, optimizer state), the
 full parameters a unit registers (seen by a forward pre-hook that runs after fsdp_compose's), the buffers each
 collective reads or fills, and the gradients of full parameters; the rest is activations and temporaries.
@@ -25,8 +26,8 @@ from torch.utils.hooks import RemovableHandle
 
 import fsdp_compose as fc
 from fsdp_compose.meshes import REDUCE_SCATTER_GROUP_DESC
+from fsdp_compose.recorder import CollectiveRecord, CollectiveRecorder
 
-from .comm import CollectiveTally
 from .live_bytes import DEFAULT_LABEL, LiveBytesCounter, live_storage_keys, storages_of, tensors_since
 from .models import ModelSpec, load_model_spec
 
@@ -358,7 +359,6 @@ class StepRecord:
     breakdown: dict[str, dict[str, int]]
     gathered_at_peak: dict[str, dict[str, int]]
     collectives: dict[str, dict[str, dict[str, int]]]
-    unknown_collectives: dict[str, int]
     backend_temporaries_bytes: int
     ops: int
     sharding_propagations: int  # DTensor sharding-propagation cache misses in the measured step (see _notes)
@@ -397,24 +397,25 @@ def _roll_up(labels: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
 
 
 class _Step:
-    """Runs the training step; labels collective buffers from the ops the counter sees."""
+    """Runs the training step; labels the buffers each collective reads or fills."""
 
-    def __init__(self, setup: Setup, counter: LiveBytesCounter | None, tally: CollectiveTally | None) -> None:
-        self.setup, self.counter, self.tally = setup, counter, tally
+    def __init__(self, setup: Setup, counter: LiveBytesCounter | None) -> None:
+        self.setup, self.counter = setup, counter
         self.grad_bytes = 0
 
-    def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        assert self.tally is not None and self.counter is not None
-        op = self.tally.observe(func, args, out)
-        if op is None or op.group == "tp":
+    def on_collective(
+        self, record: CollectiveRecord, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]
+    ) -> None:
+        """A :class:`CollectiveRecorder` observer: name the buffers of an FSDP collective."""
+        if self.counter is None or record.group == "tp":
             return  # tensor-parallel collectives move activations
-        if op.kind == "all_gather":
-            self.counter.label(op.outputs + op.inputs, ALL_GATHER)
-        elif op.kind == "reduce_scatter":
-            self.counter.label(op.inputs, REDUCE_SCATTER_IN)
-            self.counter.label(op.outputs, REDUCE_SCATTER_OUT)
-        elif op.kind == "all_reduce":
-            self.counter.label(op.outputs, ALL_REDUCE)
+        if record.kind == "all_gather":
+            self.counter.label(outputs + inputs, ALL_GATHER)
+        elif record.kind == "reduce_scatter":
+            self.counter.label(inputs, REDUCE_SCATTER_IN)
+            self.counter.label(outputs, REDUCE_SCATTER_OUT)
+        elif record.kind == "all_reduce":
+            self.counter.label(outputs, ALL_REDUCE)
 
     def phase(self, name: str) -> None:
         if self.counter is not None:
@@ -467,9 +468,8 @@ def measure_step(
     watcher = UnitWatcher(setup.units)
     try:
         for _ in range(config.warmup):
-            _Step(setup, None, None).run()
+            _Step(setup, None).run()
         counter = LiveBytesCounter(unseen="ignore", see_through_subclasses=True, refresh=refresh)
-        tally = CollectiveTally(mesh.group_labels)
         counter.register(tensors_since(snapshot, fake=fake))
         del snapshot
         model = setup.spec.model
@@ -479,11 +479,11 @@ def measure_step(
         counter.label(_optimizer_tensors(setup.optimizer), OPTIMIZER_STATE, replace=True)
         counter.label([setup.inputs, setup.targets], BATCH)
         watcher.label_known(counter)
-        step = _Step(setup, counter, tally)
-        counter.on_op = step.on_op
+        step = _Step(setup, counter)
+        recorder = CollectiveRecorder(group_labels=mesh.group_labels, observer=step.on_collective)
         counter.on_new_peak = watcher.label_grads
         misses = _sharding_cache_misses()
-        with counter:
+        with counter, recorder:
             step.run()
         counter.close()
         misses = _sharding_cache_misses() - misses
@@ -509,8 +509,7 @@ def measure_step(
         peak_ops={phase: counter.phase_peak_op.get(phase, "") for phase in PHASES},
         breakdown=breakdown,
         gathered_at_peak=gathered,
-        collectives=tally.as_dict(),
-        unknown_collectives=dict(tally.unknown),
+        collectives=recorder.summary(),
         backend_temporaries_bytes=counter.ignored_peak_bytes,
         ops=counter.ops,
         sharding_propagations=misses,

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fsdp_compose as fc
-from tests.integration.counting import CollectiveCounter
+from tests.integration.counting import totals
 from tests.integration.cpu_fsdp import enable_fsdp_plugin_on_cpu
 from tests.integration.launch import finish_rank
 
@@ -83,7 +83,7 @@ losses: list[float] = []
 counts: list[dict[str, int]] = []
 batches = iter(loader)
 for _step in range(3):  # 6 batches per rank, 2 micro-batches per optimizer step
-    with CollectiveCounter() as counter:
+    with fc.CollectiveRecorder() as counter:
         for _ in range(2):
             ids = next(batches)
             with accelerator.accumulate(model):
@@ -91,7 +91,7 @@ for _step in range(3):  # 6 batches per rank, 2 micro-batches per optimizer step
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
-    counts.append(dict(counter.counts))
+    counts.append(totals(counter))
     losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
 params = [p.full_tensor().flatten()[:8].tolist() for p in model.parameters()]
 finish_rank(

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import fsdp_compose as fc
-from tests.integration.counting import CollectiveCounter
+from tests.integration.counting import totals
 from tests.integration.cpu_fsdp import enable_fsdp_plugin_on_cpu
 from tests.integration.launch import finish_rank
 
@@ -47,9 +47,9 @@ class CountingTrainer(Trainer):
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.step_done:
             self.counts.append({})
-        with CollectiveCounter() as counter:
+        with fc.CollectiveRecorder() as counter:
             loss = super().training_step(*args, **kwargs)
-        for key, value in counter.counts.items():
+        for key, value in totals(counter).items():
             self.counts[-1][key] = self.counts[-1].get(key, 0) + value
         self.step_done = self.accelerator.sync_gradients  # the micro-batch that ends an optimizer step
         return loss
@@ -99,7 +99,7 @@ params = [p.full_tensor().flatten()[:8].tolist() for p in model.parameters()]
 # generate after training (outside the port): the Trainer registered it for its FSDP model
 registered = "generate" in vars(model)  # both libraries register it as an instance attribute
 prompt = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(99))
-with CollectiveCounter() as generate_counter:
+with fc.CollectiveRecorder() as generate_counter:
     generated = model.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
 finish_rank(
     {
@@ -108,7 +108,7 @@ finish_rank(
         "params": params,
         "generate_registered": registered,
         "generated": generated,
-        "generate_all_gathers": generate_counter.counts["all_gather"],
+        "generate_all_gathers": generate_counter.counts()["all_gather"],
         "sharded_by": "torch" if isinstance(model, FSDPModule) else "fc" if fc.is_fully_sharded(model) else "none",
     }
 )

@@ -19,7 +19,6 @@ from transformers import trainer as transformers_trainer
 from transformers.distributed import DistributedConfig
 
 import fsdp_compose as fc
-from tests.integration.counting import CollectiveCounter
 from tests.integration.launch import finish_rank
 
 VARIANT = sys.argv[1]
@@ -75,7 +74,7 @@ args = TrainingArguments(
     disable_tqdm=True,
 )
 trainer = Trainer(model=model, args=args, train_dataset=Tokens())
-counter = CollectiveCounter()
+counter = fc.CollectiveRecorder()
 port = fc.ported("transformers") if VARIANT == "fc_ported" else contextlib.nullcontext()
 with counter, port:
     result = trainer.train()
@@ -84,7 +83,7 @@ params = [p.full_tensor().flatten()[:8].tolist() for p in model.parameters()]
 finish_rank(
     {
         "loss": losses,
-        "reduce_scatters": counter.counts["reduce_scatter"],
+        "reduce_scatters": counter.counts()["reduce_scatter"],
         "params": params,
         "wrapped": type(trainer.model_wrapped).__name__,
     }

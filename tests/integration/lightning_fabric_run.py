@@ -20,7 +20,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp_compose as fc
-from tests.integration.counting import CollectiveCounter
 from tests.integration.launch import finish_rank
 
 VARIANT = sys.argv[1]
@@ -57,7 +56,7 @@ losses, reduce_scatters = [], []
 port = fc.ported("lightning") if VARIANT == "fc_ported" else contextlib.nullcontext()
 with port:  # fc_ported: Fabric's no_backward_sync with the guard line applied for the block
     for step in range(3):
-        counter = CollectiveCounter()
+        counter = fc.CollectiveRecorder()
         with counter:
             for micro in range(2):  # gradient accumulation: the first micro-batch without gradient sync
                 gen = torch.Generator().manual_seed(10 * step + micro)
@@ -68,7 +67,7 @@ with port:  # fc_ported: Fabric's no_backward_sync with the guard line applied f
                     fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        reduce_scatters.append(counter.counts["reduce_scatter"])
+        reduce_scatters.append(counter.counts()["reduce_scatter"])
         losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
 params = [p.full_tensor().flatten().tolist() for p in model.parameters()]
 finish_rank({"loss": losses, "reduce_scatters": reduce_scatters, "params": params})

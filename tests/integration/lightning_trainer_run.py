@@ -16,7 +16,6 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp_compose as fc
-from tests.integration.counting import CollectiveCounter
 from tests.integration.launch import finish_rank
 
 VARIANT = sys.argv[1]
@@ -62,8 +61,8 @@ trainer = L.Trainer(
     enable_progress_bar=False,
     enable_model_summary=False,
 )
-counter = CollectiveCounter()
+counter = fc.CollectiveRecorder()
 with counter:
     trainer.fit(model, DataLoader(data, batch_size=2, shuffle=False))
 params = [p.full_tensor().flatten().tolist() for p in model.net.parameters()]
-finish_rank({"loss": model.losses, "reduce_scatters": counter.counts["reduce_scatter"], "params": params})
+finish_rank({"loss": model.losses, "reduce_scatters": counter.counts()["reduce_scatter"], "params": params})

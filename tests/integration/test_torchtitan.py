@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 import fsdp_compose as fc
 from tests.dist_utils import mesh_nd
-from tests.integration.counting import CollectiveCounter
 
 pytest.importorskip("torchtitan")
 
@@ -102,12 +101,12 @@ def _train(rank: int, ws: int, variant: str) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(step)
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen).chunk(ws)[rank]
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        with CollectiveCounter() as counter:
+        with fc.CollectiveRecorder() as counter:
             logits = model(inputs, positions=positions)
             # torchtitan's loss: local sum over tokens / global token count; the gradient reduction sums
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / (BATCH * SEQ)
             loss.backward()
-        reduce_scatters.append(counter.counts["reduce_scatter"])
+        reduce_scatters.append(counter.counts()["reduce_scatter"])
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         total = loss.detach().clone()

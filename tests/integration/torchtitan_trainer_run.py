@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.integration.counting import CollectiveCounter
+import fsdp_compose as fc
+from tests.integration.counting import totals
 
 # The documented port (docs/integrations.md, "torchtitan"), by module and line: the (old text, new text) edits.
 PORT: dict[str, dict[str, list[tuple[str, str]]]] = {
@@ -204,9 +205,9 @@ def observe(records: list[dict[str, Any]]) -> None:
     train_step, log, close = Trainer.train_step, MetricsProcessor.log, Trainer.close
 
     def counted_train_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with CollectiveCounter() as counter:
+        with fc.CollectiveRecorder() as counter:
             out = train_step(self, *args, **kwargs)
-        records.append({"collectives": dict(counter.counts)})
+        records.append({"collectives": totals(counter)})
         return out
 
     def recorded_log(self: Any, step: int, loss: float, max_loss: float, grad_norm: float, *a: Any, **k: Any) -> Any:

@@ -54,14 +54,13 @@ def _fingerprint(described: list[tuple[str, dict[str, Any]]]) -> int:
     return int.from_bytes(digest[:8], "little", signed=True)
 
 
-def check_ranks_agree(root: ShardState) -> None:
+def check_ranks_agree(root: ShardState, states: list[ShardState]) -> None:
     """Raise the same ``RuntimeError`` on every rank of the root's data-parallel mesh when ranks disagree."""
-    assert root.ctx is not None
     dp = root.unit.dp
     groups = [g for g in (dp.shard_group, dp.replicate_group) if g is not None and dist.get_world_size(g) > 1]
     if not groups:
         return
-    described = describe_step(root.ctx.states)
+    described = describe_step(states)
     mine = torch.tensor([_fingerprint(described)], dtype=torch.int64, device=root.device)
     agree = True
     for group in groups:

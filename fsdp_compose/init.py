@@ -41,6 +41,7 @@ from .policies import (
     as_offload_policy,
 )
 from .state import STATE_ATTR, ShardState, states_under
+from .step import StepContext
 from .unit import ShardedUnit
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ def fully_shard(
         mp_policy,
         auto_refresh_trainable,
     )
+    state.make_step = StepContext
     for m in modules:
         m.__dict__[STATE_ATTR] = state
     state.register_hooks()

@@ -38,10 +38,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .autograd_hooks import StepOwner, check_not_compiled_autograd, in_backward
 from .collectives import labelled
 from .policies import MixedPrecisionPolicy
 from .pytrees import map_tensors, tensors_in
-from .step import StepContext, check_not_compiled_autograd, in_backward
 from .unit import ShardedUnit, UnitState
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,9 @@ class ShardState:
         self.backward_prefetch: list[ShardState] | None = None
         # Set at lazy init.
         self.root: ShardState | None = None
-        self.ctx: StepContext | None = None  # on the root only
+        self.ctx: StepOwner | None = None  # on the root only
+        # Makes the root's step at lazy init (``step.StepContext``, handed in by ``fully_shard``).
+        self.make_step: Callable[[ShardState, list[ShardState]], StepOwner] | None = None
         # Full parameters kept across the last (no-sync) backward by reshard_after_backward=False.
         self.kept_unsharded = False
         self.entries: list[_Entry] = []  # forward calls whose backward has not run yet
@@ -248,11 +250,13 @@ class ShardState:
         for state in states:
             state.root = self
             state.ctx = None
-        self.ctx = StepContext(self, states)
+        if self.make_step is None:
+            raise RuntimeError(f"internal error in fsdp_compose: {self.unit.owner_name} has no step factory")
+        self.ctx = self.make_step(self, states)
         logger.debug("lazy init: root %s with %d units", self.unit.owner_name, len(states))
 
     @property
-    def root_ctx(self) -> StepContext | None:
+    def root_ctx(self) -> StepOwner | None:
         root = self.root
         return root.ctx if root is not None else None
 
@@ -336,7 +340,7 @@ class ShardState:
             if self.forward_prefetch is not None:
                 targets = self.forward_prefetch
             else:
-                following = ctx.schedule.next_after(self)
+                following = ctx.next_in_schedule(self)
                 targets = [] if following is None else [following]
             for target in targets:
                 if not target.opened:

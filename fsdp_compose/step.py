@@ -28,7 +28,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch._dynamo.compiled_autograd
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
@@ -45,28 +44,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepContext", "StepPhase", "check_not_compiled_autograd", "in_backward"]
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward on this thread (e.g. an activation-checkpoint recompute)."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
-def check_not_compiled_autograd(owner: str) -> None:
-    """Raise when this backward runs under compiled autograd, before the unit issues any collective of it.
-
-    Compiled autograd captures the backward graph, hooks included, and replays it: the units' backward hooks keep
-    per-step state and issue collectives, and trained with wrong gradients when replayed that way (measured, for
-    torch's own ``fully_shard`` too). Compiling the blocks' forward still compiles their backward (AOTAutograd).
-    """
-    compiled_autograd = torch._dynamo.compiled_autograd
-    if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
-        raise RuntimeError(
-            f"{owner}: backward runs under compiled autograd (torch._dynamo.config.compiled_autograd), which "
-            "fsdp_compose does not support: its backward hooks must run in eager autograd. Turn compiled autograd "
-            "off; torch.compile of the blocks still compiles their backward (see docs/compile.md)"
-        )
+__all__ = ["StepContext", "StepPhase"]
 
 
 class StepPhase(enum.Enum):
@@ -99,6 +77,10 @@ class StepContext:
     def in_backward(self) -> bool:
         return self.backward is not None
 
+    def next_in_schedule(self, state: ShardState) -> ShardState | None:
+        """The implicit forward prefetch target after ``state``: the next unit in registration order."""
+        return self.schedule.next_after(state)
+
     def next_call_number(self) -> int:
         self.calls_seen += 1
         return self.calls_seen
@@ -123,7 +105,7 @@ class StepContext:
         if self.phase is StepPhase.BACKWARD:
             self.abandon()  # a backward that raised: its final callback never ran
         if any(state.collective_checks for state in self.states):
-            check_ranks_agree(self.root)  # before anything of this step communicates
+            check_ranks_agree(self.root, self.states)  # before anything of this step communicates
         for state in self.states:
             state.entries = [entry for entry in state.entries if entry.alive()]  # graphs nobody will run are gone
         continuing = self.phase is StepPhase.AWAITING_BACKWARD and any(state.entries for state in self.states)

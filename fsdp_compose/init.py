@@ -471,6 +471,12 @@ def _check_params(
         local = param._local_tensor if isinstance(param, DTensor) else param
         if has_fsdp_hooks(local):
             check_subclass_param(fqn, param, owner_name, dim)
+        elif type(local) not in (torch.Tensor, nn.Parameter):
+            raise TypeError(
+                f"parameter '{fqn}' of {owner_name} is a {type(local).__name__}, a tensor subclass without FSDP2's "
+                "all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather): copied into a flat buffer it would "
+                "lose its class; implement the hooks (docs/subclasses.md), or pass it in ignored_params"
+            )
     return dims
 
 

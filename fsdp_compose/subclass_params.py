@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from .sharding import chunk_rows, padded_rows
 
-__all__ = ["SubclassShard", "check_subclass_param", "has_fsdp_hooks", "shard_subclass"]
+__all__ = ["SubclassShard", "check_subclass_param", "has_fsdp_hooks", "shard_mesh", "shard_subclass", "torch_mp_policy"]
 
 
 def has_fsdp_hooks(tensor: object) -> bool:
@@ -181,6 +181,15 @@ class SubclassShard:
             storage = t.untyped_storage()
             if storage.size() != 0:
                 storage.resize_(0)
+
+
+def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh a pre-hook receives: the shard dim of the data-parallel mesh (torch's ``shard_mesh_from_root``)."""
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    assert names is not None, "fully_shard refuses protocol parameters on an unnamed 2-D mesh"
+    return mesh[names[-1]]
 
 
 def _allocate(tensor: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ from .offload import UnitDevices
 from .policies import OffloadPolicy
 from .sharding import FlatLayout, copy_param_from_segments, write_param_into_segments
 from .streams import issued_on, record_event, wait_for
+from .subclass_params import shard_mesh
 from .transitions import checked
 
 logger = logging.getLogger(__name__)
@@ -310,23 +311,13 @@ class ShardedUnit:
                 assert mp.subclass is not None
                 module = mp.owners[0][0]
                 local = mp.sharded._local_tensor
-                inputs.extend(mp.subclass.all_gather_inputs(local, self.hook_mesh, module, self.hook_policy))
+                inputs.extend(mp.subclass.all_gather_inputs(local, shard_mesh(self.dp.mesh), module, self.hook_policy))
             plan = GatherPlan.copy_in(inputs, self.world_size, self.rank, self.device)
             work = None
             if self.world_size > 1 and plan.shard.numel() > 0:
                 work = all_gather_flat(plan.output, plan.shard, self.group, async_op=async_op)
         self._pending_gather = _PendingGather(work, plan.output, plan.shard, encoded=False, plan=plan)
         self._to(UnitState.GATHERING)
-
-    @property
-    def hook_mesh(self) -> DeviceMesh:
-        """The mesh a pre-hook receives: the shard dim of the data-parallel mesh (torch's ``shard_mesh_from_root``)."""
-        mesh = self.dp.mesh
-        if mesh.ndim == 1:
-            return mesh
-        names = mesh.mesh_dim_names
-        assert names is not None, "fully_shard refuses protocol parameters on an unnamed 2-D mesh"
-        return mesh[names[-1]]
 
     def _copy_out_plan(self, plan: GatherPlan, dtype: torch.dtype) -> None:
         """Split the gathered inputs into every group's full parameters and every protocol parameter's outputs; the

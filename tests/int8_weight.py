@@ -32,13 +32,13 @@ _KEEP = {
 }
 
 
-class Int8Weight(torch.Tensor):
-    """fp32 master weight; all-gathered as int8 + per-row fp32 scale."""
+class Wrapper(torch.Tensor):
+    """A wrapper subclass over a master tensor, kept on the ops FSDP shards and pads with (no FSDP hooks)."""
 
     _tensor: torch.Tensor
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor) -> Int8Weight:
+    def __new__(cls, tensor: torch.Tensor) -> Wrapper:
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[no-any-return]
             cls,
             tensor.size(),
@@ -54,22 +54,33 @@ class Int8Weight(torch.Tensor):
         self._tensor = tensor
 
     def __repr__(self) -> str:
-        return f"Int8Weight({self._tensor})"
+        return f"{type(self).__name__}({self._tensor})"
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        args, kwargs = pytree.tree_map_only(Int8Weight, lambda t: t._tensor, (args, kwargs or {}))
+        args, kwargs = pytree.tree_map_only(Wrapper, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEP:
             return out
-        return pytree.tree_map_only(torch.Tensor, Int8Weight, out)
+        return pytree.tree_map_only(torch.Tensor, cls, out)
 
     def __tensor_flatten__(self) -> tuple[list[str], None]:
         return ["_tensor"], None
 
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: Any, size: Any, stride: Any) -> Int8Weight:
-        return Int8Weight(inner["_tensor"])
+    @classmethod
+    def __tensor_unflatten__(cls, inner: dict[str, torch.Tensor], meta: Any, size: Any, stride: Any) -> Wrapper:
+        return cls(inner["_tensor"])
+
+
+class PreHookOnly(Wrapper):
+    """Defines only the pre-hook: refused."""
+
+    def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        return (self._tensor,), None
+
+
+class Int8Weight(Wrapper):
+    """fp32 master weight; all-gathered as int8 + per-row fp32 scale."""
 
     def fsdp_pre_all_gather(
         self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any, mp_policy: Any

@@ -17,7 +17,7 @@ import fsdp_compose as fc
 from tests import int8_weight
 from tests.collective_bytes import CollectiveBytes
 from tests.dist_utils import full_value, mesh_1d
-from tests.int8_weight import Int8Weight, int8_linears
+from tests.int8_weight import Int8Weight, PreHookOnly, Wrapper, int8_linears
 
 
 def _net() -> nn.Sequential:
@@ -78,7 +78,11 @@ def _reference_losses(steps: int) -> tuple[list[float], nn.Sequential]:
         x, y = _batch(step)
         h = x
         for layer in model:
-            h = nn.functional.linear(h, _quantized(layer.weight), layer.bias) if isinstance(layer, nn.Linear) else layer(h)
+            h = (
+                nn.functional.linear(h, _quantized(layer.weight), layer.bias)
+                if isinstance(layer, nn.Linear)
+                else layer(h)
+            )
         loss = nn.functional.mse_loss(h, y)
         loss.backward()
         opt.step()
@@ -118,7 +122,7 @@ def _side_by_side(rank: int, ws: int) -> dict[str, Any]:
     their_calls, their_args = dict(int8_weight.calls), list(int8_weight.seen_args)
     plain_losses, _ = _train(plain, rank, ws, steps=4)
     param_diff = 0.0
-    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+    for (_, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
         a, b = full_value(p.detach()), full_value(q.detach())
         a = a._tensor if isinstance(a, Int8Weight) else a
         b = b._tensor if isinstance(b, Int8Weight) else b
@@ -160,6 +164,41 @@ def test_protocol_matches_torchs_fully_shard(run_dist, ws: int) -> None:
         assert result["our_args"] == result["their_args"], result
         assert result["ours"]["all_gather_bytes"] > 0
         if ws > 1:
-            assert result["ours"]["all_gather_bytes"] == result["theirs"]["all_gather_bytes"], (result["ours"], result["theirs"])
+            assert result["ours"]["all_gather_bytes"] == result["theirs"]["all_gather_bytes"], (
+                result["ours"],
+                result["theirs"],
+            )
             assert result["ours"]["all_gather"] == result["theirs"]["all_gather"], result
             assert result["ours"]["reduce_scatter"] == result["theirs"]["reduce_scatter"], result
+
+
+def _refusals(rank: int, ws: int) -> list[str]:
+    mesh = mesh_1d(ws)
+    messages = []
+
+    def refused(error: type[Exception], make: Any, **kwargs: Any) -> None:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        model[0].weight = nn.Parameter(make(model[0].weight.detach().clone()))
+        before = {n: (type(p), p.detach().clone()) for n, p in model.named_parameters()}
+        with pytest.raises(error) as info:
+            fc.fully_shard(model, mesh=mesh, **kwargs)
+        after = {n: (type(p), p.detach()) for n, p in model.named_parameters()}
+        assert all(before[n][0] is after[n][0] and torch.equal(before[n][1], after[n][1]) for n in before)
+        assert fc.get_state(model) is None
+        messages.append(str(info.value))
+
+    refused(TypeError, Wrapper)  # a subclass without the hooks would lose its class in a flat buffer
+    refused(TypeError, PreHookOnly)  # both hooks are needed
+    refused(NotImplementedError, Int8Weight, shard_placement_fn=lambda p: torch.distributed.tensor.Shard(p.ndim - 1))
+    refused(NotImplementedError, Int8Weight, offload_policy=fc.CPUOffloadPolicy())
+    refused(NotImplementedError, Int8Weight, extensions=fc.ShardExtensions(all_gather=fc.Int8AllGather()))
+    return messages
+
+
+def test_subclasses_that_cannot_be_handled_are_refused_before_touching_the_model(run_dist) -> None:
+    messages = run_dist(2, _refusals)[0]
+    assert "'0.weight' of Sequential is a Wrapper, a tensor subclass without FSDP2's all-gather hooks" in messages[0]
+    assert "defines only one of fsdp_pre_all_gather / fsdp_post_all_gather" in messages[1]
+    assert "Shard(1)" in messages[2] and "dim 0 only" in messages[2]
+    assert "CPU offload" in messages[3]
+    assert "all_gather extension" in messages[4]

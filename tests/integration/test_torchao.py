@@ -73,7 +73,9 @@ class ByteAllGather:
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any:
         return dist.all_gather_into_tensor(
             output_tensor.view(torch.uint8), input_tensor.view(torch.uint8), group=group, async_op=async_op
         )
@@ -85,7 +87,9 @@ def _batch(step: int, rank: int, ws: int, dim: int, out: int) -> tuple[torch.Ten
     return x.chunk(ws)[rank], y.chunk(ws)[rank]
 
 
-def _train(model: nn.Module, rank: int, ws: int, steps: int, dim: int, out: int, after_step: Any = None) -> dict[str, Any]:
+def _train(
+    model: nn.Module, rank: int, ws: int, steps: int, dim: int, out: int, after_step: Any = None
+) -> dict[str, Any]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses, first_grads, counter = [], {}, CollectiveBytes()
     for step in range(steps):
@@ -116,7 +120,9 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.float() if not hasattr(t, "get_original_weight") else t.get_original_weight().float()
 
 
-def _compare(ours: dict[str, Any], theirs: dict[str, Any], our_model: nn.Module, their_model: nn.Module) -> dict[str, Any]:
+def _compare(
+    ours: dict[str, Any], theirs: dict[str, Any], our_model: nn.Module, their_model: nn.Module
+) -> dict[str, Any]:
     grad_diff = max(
         ((ours["grads"][n] - theirs["grads"][n]).abs().max().item() for n in theirs["grads"]), default=float("nan")
     )
@@ -161,7 +167,6 @@ def _qlora(rank: int, ws: int) -> dict[str, Any]:
 @pytest.mark.parametrize("ws", [2, 4])
 def test_nf4_qlora_matches_torchs_fully_shard(run_dist, ws: int) -> None:
     for result in run_dist(ws, _qlora):
-        print(result)
         assert result["kept_subclass"]
         assert all("lora" in n or "norm" in n for n in result["trained"]), result["trained"]
         assert result["loss_diff"] < 1e-5, result
@@ -216,7 +221,6 @@ def _float8(rank: int, ws: int, precompute: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("ws", [2, 4])
 def test_float8_all_gather_matches_torchs_fully_shard(run_dist, ws: int, precompute: bool) -> None:
     for result in run_dist(ws, _float8, precompute):
-        print(result)
         assert result["found"] == (3, 3), result
         assert result["loss_diff"] < 1e-5, result
         assert result["grad_diff"] < 1e-5, result

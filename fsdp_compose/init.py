@@ -456,10 +456,10 @@ def _check_params(
     unit_dtypes = {p.dtype for _, p, _ in params if p.ndim > 0} or {p.dtype for _, p, _ in params}
     for fqn, param, _ in params:
         if param.ndim == 0 and param.dtype not in unit_dtypes:
-            listing = ", ".join(sorted(str(d) for d in unit_dtypes))
+            listing = " or ".join(sorted(str(d) for d in unit_dtypes))
             raise ValueError(
                 f"parameter '{fqn}' of {owner_name} is a 0-dim {param.dtype} parameter in a unit of {listing} "
-                f"parameters; its gradient is reduced with theirs. Cast it to one of those dtypes, move it "
+                f"parameters; its gradient is reduced with theirs, in {listing}. Cast it to {listing}, move it "
                 "into a submodule and call fully_shard on that submodule first, or pass it in ignored_params (then "
                 "its gradient is not reduced)"
             )

@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import Shard
 
 import fsdp_compose as fc
 from tests.collective_bytes import CollectiveBytes
-from tests.dist_utils import full_value, mesh_1d
+from tests.dist_utils import full_value, mesh_1d, mesh_nd
 
 
 class Block(nn.Module):
@@ -95,10 +96,15 @@ def _param_diff(model: nn.Module, reference: nn.Module) -> float:
     return worst
 
 
-def _vs_reference(rank: int, ws: int, train_frozen: bool) -> dict[str, Any]:
+def _vs_reference(rank: int, ws: int, train_frozen: bool, layout: str = "1d") -> dict[str, Any]:
     model = Net(train_frozen=train_frozen)
     reference = copy.deepcopy(model)
-    _shard(model, fc.fully_shard, mesh_1d(ws))
+    if layout == "hsdp":
+        _shard(model, fc.fully_shard, mesh_nd((2, ws // 2), ("replicate", "shard")))
+    elif layout == "dim1":  # every 2-D parameter sharded on its columns (Shard(1)): the relaid copy-out path
+        _shard(model, fc.fully_shard, mesh_1d(ws), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    else:
+        _shard(model, fc.fully_shard, mesh_1d(ws))
     grads_dtypes = {}
     losses, counts = _train_sharded(model, rank, ws, steps=4)
     ref_losses = _train_reference(reference, steps=4)
@@ -121,6 +127,13 @@ def test_frozen_bf16_and_trainable_fp32_in_one_unit_match_single_process(run_dis
         assert result["param_diff"] < 1e-5, result
         if ws > 1:  # one all-gather per unit and pass: 2 blocks twice, the root (kept after forward) once
             assert result["counts"]["all_gather"] == 5, result
+
+
+@pytest.mark.parametrize(("ws", "layout"), [(4, "hsdp"), (2, "dim1")])
+def test_mixed_dtypes_on_hsdp_and_other_shard_dims_match_single_process(run_dist, ws: int, layout: str) -> None:
+    for result in run_dist(ws, _vs_reference, False, layout):
+        assert result["loss_diff"] < 1e-5, result
+        assert result["param_diff"] < 1e-5, result
 
 
 @pytest.mark.parametrize("ws", [1, 2, 4])

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_compose as fc
 from tests import int8_weight
 from tests.collective_bytes import CollectiveBytes
-from tests.dist_utils import full_value, mesh_1d
+from tests.dist_utils import full_value, mesh_1d, mesh_nd
 from tests.int8_weight import Int8Weight, PreHookOnly, Wrapper, int8_linears
 
 
@@ -91,10 +91,10 @@ def _reference_losses(steps: int) -> tuple[list[float], nn.Sequential]:
     return losses, model
 
 
-def _side_by_side(rank: int, ws: int) -> dict[str, Any]:
+def _side_by_side(rank: int, ws: int, hsdp: bool = False) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
-    mesh = mesh_1d(ws)
+    mesh = mesh_nd((2, ws // 2), ("replicate", "shard")) if hsdp else mesh_1d(ws)
     ours, theirs, plain = _net(), _net(), _net()
     for model in (ours, theirs):
         int8_linears(model)
@@ -147,9 +147,9 @@ def _side_by_side(rank: int, ws: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("ws", [1, 2, 4])
-def test_protocol_matches_torchs_fully_shard(run_dist, ws: int) -> None:
-    for result in run_dist(ws, _side_by_side):
+@pytest.mark.parametrize(("ws", "hsdp"), [(1, False), (2, False), (4, False), (4, True)])
+def test_protocol_matches_torchs_fully_shard(run_dist, ws: int, hsdp: bool) -> None:
+    for result in run_dist(ws, _side_by_side, hsdp):
         assert result["kept_subclass"], "the sharded parameter's local tensor must stay the subclass"
         assert result["ref_diff"] < 1e-5, result  # against the single-process quantized reference
         # 3 units with one Int8Weight each, 4 steps: gathered in forward and again in backward

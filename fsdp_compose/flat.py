@@ -190,6 +190,7 @@ class FlatShard:
         for mp, (group, subclass) in zip(self.params, storage, strict=True):
             mp.group, mp.subclass = group, subclass
             self._installed(mp)
+        self._classify()
         for _, p, _ in params:
             setattr(p, MOVED_ATTR, owner_name)
         originals = [(mp.fqn, mp.original) for mp in self.params if mp.original is not None]
@@ -199,15 +200,11 @@ class FlatShard:
         """Whether a parameter is kept whole on every rank (a protocol parameter is always sharded its own way)."""
         return not protocol and (ndim == 0 or (self.frozen_params == "replicate" and not trainable))
 
-    @property
-    def uniform(self) -> bool:
-        """One dtype group and no protocol parameter: the unit's single flat all-gather (the fast path)."""
-        return len(self.groups) <= 1 and not self.protocol
-
-    @property
-    def protocol(self) -> list[ManagedParam]:
-        """The parameters using FSDP2's all-gather hooks, in slot order."""
-        return [mp for mp in self.params if mp.subclass is not None]
+    def _classify(self) -> None:
+        """``protocol``: the parameters using FSDP2's all-gather hooks, in slot order; ``uniform``: one dtype group
+        and no protocol parameter, so the unit's single flat buffer is all it gathers (the fast path)."""
+        self.protocol = [mp for mp in self.params if mp.subclass is not None]
+        self.uniform = len(self.groups) <= 1 and not self.protocol
 
     def _build(
         self,
@@ -313,6 +310,7 @@ class FlatShard:
             mp.slot = slot
             mp.group, mp.subclass = group, subclass
             self._installed(mp)
+        self._classify()
 
     # ------------------------------------------------------------------ keeping the views intact
     def views_intact(self) -> bool:
@@ -399,6 +397,7 @@ class FlatShard:
         ]
         new.flat = torch.zeros(0, dtype=self.dtype, device="meta")
         new.groups = []
+        new._classify()
         new.replaced = ReplacedParams(self.owner_name, [])
         return new
 

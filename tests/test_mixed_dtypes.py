@@ -175,3 +175,36 @@ def test_mixed_dtypes_match_torchs_fully_shard(run_dist, ws: int, policy: str | 
         assert result["ours"]["all_gather"] == result["theirs"]["all_gather"], result
         assert result["ours"]["all_gather_bytes"] == result["theirs"]["all_gather_bytes"], result
         assert result["ours"]["reduce_scatter"] == result["theirs"]["reduce_scatter"], result
+
+
+def _lifecycle(rank: int, ws: int) -> dict[str, Any]:
+    """deepcopy, state_dict round trip and fc.full_state_dict of a unit of several dtypes."""
+    model = _shard(Net(), fc.fully_shard, mesh_1d(ws))
+    twin = copy.deepcopy(model)
+    reference = Net()
+    losses, _ = _train_sharded(model, rank, ws, steps=2)
+    twin_losses, _ = _train_sharded(twin, rank, ws, steps=2)
+    _train_reference(reference, steps=2)
+    fresh = _shard(Net(), fc.fully_shard, mesh_1d(ws))
+    fresh.load_state_dict(model.state_dict())
+    full = fc.full_state_dict(model)
+    expected = reference.state_dict()
+    return {
+        "twin_diff": max(abs(a - b) for a, b in zip(losses, twin_losses, strict=True)) + _param_diff(twin, model),
+        "loaded_diff": _param_diff(fresh, model),
+        "full_diff": max((full[k].float() - v.float()).abs().max().item() for k, v in expected.items())
+        if full
+        else 0.0,
+        "full_dtypes": sorted({f"{k}:{v.dtype}" for k, v in full.items() if k.startswith("blocks.0.")}),
+        "rank": rank,
+    }
+
+
+def test_deepcopy_state_dict_and_full_state_dict_of_a_unit_of_several_dtypes(run_dist) -> None:
+    for result in run_dist(2, _lifecycle):
+        assert result["twin_diff"] == 0.0, result
+        assert result["loaded_diff"] == 0.0, result
+        if result["rank"] == 0:
+            assert result["full_diff"] < 1e-5, result
+            assert "blocks.0.base.weight:torch.bfloat16" in result["full_dtypes"], result
+            assert "blocks.0.head.weight:torch.float32" in result["full_dtypes"], result

@@ -202,3 +202,26 @@ def test_subclasses_that_cannot_be_handled_are_refused_before_touching_the_model
     assert "Shard(1)" in messages[2] and "dim 0 only" in messages[2]
     assert "CPU offload" in messages[3]
     assert "all_gather extension" in messages[4]
+
+
+def _lifecycle(rank: int, ws: int) -> dict[str, Any]:
+    """deepcopy and a state_dict round trip keep the subclass as the local shard and train identically."""
+    mesh = mesh_1d(ws)
+    model = _net()
+    int8_linears(model)
+    _shard(model, fc.fully_shard, mesh)
+    twin = copy.deepcopy(model)
+    fresh = _net()
+    int8_linears(fresh)
+    _shard(fresh, fc.fully_shard, mesh)
+    fresh.load_state_dict(model.state_dict())
+    runs = [_train(m, rank, ws, steps=2)[0] for m in (model, twin, fresh)]
+    kinds = {type(m[0].weight._local_tensor).__name__ for m in (model, twin, fresh)}
+    return {"losses": runs, "kinds": sorted(kinds)}
+
+
+def test_deepcopy_and_state_dict_keep_the_protocol(run_dist) -> None:
+    for result in run_dist(2, _lifecycle):
+        ours, twin, fresh = result["losses"]
+        assert ours == twin == fresh, result
+        assert result["kinds"] == ["Int8Weight"], result

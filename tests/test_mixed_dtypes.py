@@ -142,8 +142,8 @@ def test_several_trainable_dtypes_reduce_in_the_widest(run_dist, ws: int) -> Non
     # fp32 and each .grad is handed out in its parameter's dtype. The bf16 parameters round differently from a
     # single process (their gradient is summed in fp32 over ranks, then rounded once), so the bound is bf16's.
     for result in run_dist(ws, _vs_reference, True):
-        assert result["loss_diff"] < 2e-2, result
-        assert result["param_diff"] < 2e-2, result
+        assert result["loss_diff"] < 1e-3, result  # measured 2e-4
+        assert result["param_diff"] < 1e-2, result  # measured 2e-3: one bf16 rounding step of a weight near 0.5
 
 
 def _vs_torch(rank: int, ws: int, policy: str | None) -> dict[str, Any]:

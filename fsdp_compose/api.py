@@ -191,6 +191,12 @@ def set_reshard_after_forward(module: nn.Module, value: bool | int, *, recurse: 
         for state in states
     ]
     for state, setting in zip(states, settings, strict=True):
+        if isinstance(setting, int) and not isinstance(setting, bool) and not state.unit.shards.uniform:
+            raise NotImplementedError(
+                f"set_reshard_after_forward({setting}) on {state.unit.owner_name}, whose parameters have several "
+                "dtypes or use FSDP2's all-gather hooks: a group size is not supported there; use True or False"
+            )
+    for state, setting in zip(states, settings, strict=True):
         state.reshard_after_forward_setting = setting
         state.unit.post_forward = post_forward_group_for(setting, state.unit.dp.mesh)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -25,11 +26,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .meshes import DataParallelMesh, ParamPlacing
 from .offload import UnitDevices
 from .replaced import ReplacedParams
 from .sharding import FlatLayout, local_rows
+from .subclass_params import SubclassShard, has_fsdp_hooks, shard_subclass
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,7 @@ __all__ = [
     "OWNER_ATTR",
     "FlatShard",
     "ManagedParam",
+    "ShardGroup",
     "local_grad",
     "make_full_param",
     "run_post_accumulate_grad_hooks",
@@ -59,7 +63,7 @@ class ManagedParam:
     owners: list[tuple[nn.Module, str]]
     placing: ParamPlacing
     sharded: DTensor  # an nn.Parameter holding a DTensor
-    slot: int | None  # index into the unit's FlatLayout; None: kept whole on every rank
+    slot: int | None  # index into its dtype group's FlatLayout (or the protocol list); None: kept whole
     trainable: bool  # requires_grad as of the last trainability refresh
     original: weakref.ref[nn.Parameter] | None = None  # the user's parameter this one replaced (for ties)
     local: torch.Tensor | None = None  # the view into ``flat`` that ``sharded`` must hold; None: needs adopting
@@ -67,6 +71,8 @@ class ManagedParam:
     full_data: torch.Tensor | None = None  # ``full.data``: writes through it do not bump ``full``'s version
     gathered_version: int = field(default=-1)  # sharded._version when ``full`` was last filled
     full_hooked: bool = False  # ``full`` carries the post-accumulate-grad hook that moves its gradients
+    group: int | None = None  # index into ``FlatShard.groups`` of a plain sharded parameter
+    subclass: SubclassShard | None = None  # a parameter using FSDP2's all-gather hooks (subclass_params.py)
 
     def register(self, tensor: torch.Tensor) -> None:
         for module, name in self.owners:
@@ -76,6 +82,20 @@ class ManagedParam:
         """The parameter the owning module holds right now (``sharded``, ``full``, or one the user put there)."""
         module, name = self.owners[0]
         return module._parameters.get(name)
+
+
+@dataclass
+class ShardGroup:
+    """The sharded plain parameters of one dtype: their flat layout and this rank's flat buffer.
+
+    A unit has one group per dtype of its sharded plain parameters (usually one). ``members[slot]`` is the position in
+    ``FlatShard.params`` of the parameter in the layout's slot ``slot``.
+    """
+
+    dtype: torch.dtype
+    layout: FlatLayout
+    flat: torch.Tensor
+    members: list[int]
 
 
 def _make_sharded_param(
@@ -153,26 +173,38 @@ class FlatShard:
         self.devices = devices
         self.owner_name = owner_name
         self.frozen_params = frozen_params
-        dtypes = [p.dtype for _, p, _ in params if p.ndim > 0] or [p.dtype for _, p, _ in params] or [torch.float32]
-        # The parameters' own dtype: sharded parameters, their gradients and the optimizer state stay in it.
-        self.dtype: torch.dtype = dtypes[0]
+        # The parameters' own dtype (the first sharded plain parameter's; a unit may hold several, see ``groups``):
+        # sharded parameters, their gradients and the optimizer state stay in their own dtypes.
+        self.dtype: torch.dtype = _primary_dtype([p for _, p, _ in params])
         trainable = [p.requires_grad for _, p, _ in params]
-        whole = [self.kept_whole(len(pl.global_shape), t) for pl, t in zip(placings, trainable, strict=True)]
+        whole = [
+            self.kept_whole(len(pl.global_shape), t, has_fsdp_hooks(p))
+            for pl, t, (_, p, _) in zip(placings, trainable, params, strict=True)
+        ]
         values = [(p.to_local() if isinstance(p, DTensor) else p).detach() for _, p, _ in params]
-        news, slots = self._build(placings, values, whole, trainable, are_full=True)
+        news, slots, storage = self._build(placings, values, whole, trainable, are_full=True)
         self.params = [
             ManagedParam(fqn, owners, placing, new, slot, trainable=p.requires_grad, original=weakref.ref(p))
             for (fqn, p, owners), placing, new, slot in zip(params, placings, news, slots, strict=True)
         ]
-        for mp in self.params:
+        for mp, (group, subclass) in zip(self.params, storage, strict=True):
+            mp.group, mp.subclass = group, subclass
             self._installed(mp)
+        self._classify()
         for _, p, _ in params:
             setattr(p, MOVED_ATTR, owner_name)
         originals = [(mp.fqn, mp.original) for mp in self.params if mp.original is not None]
         self.replaced = ReplacedParams(owner_name, originals)
 
-    def kept_whole(self, ndim: int, trainable: bool) -> bool:
-        return ndim == 0 or (self.frozen_params == "replicate" and not trainable)
+    def kept_whole(self, ndim: int, trainable: bool, protocol: bool = False) -> bool:
+        """Whether a parameter is kept whole on every rank (a protocol parameter is always sharded its own way)."""
+        return not protocol and (ndim == 0 or (self.frozen_params == "replicate" and not trainable))
+
+    def _classify(self) -> None:
+        """``protocol``: the parameters using FSDP2's all-gather hooks, in slot order; ``uniform``: one dtype group
+        and no protocol parameter, so the unit's single flat buffer is all it gathers (the fast path)."""
+        self.protocol = [mp for mp in self.params if mp.subclass is not None]
+        self.uniform = len(self.groups) <= 1 and not self.protocol
 
     def _build(
         self,
@@ -182,40 +214,68 @@ class FlatShard:
         requires_grad: list[bool],
         *,
         are_full: bool,
-    ) -> tuple[list[DTensor], list[int | None]]:
-        """A new ``flat`` holding the sharded parameters' rows; new DTensor parameters over it (and whole ones).
+    ) -> tuple[list[DTensor], list[int | None], list[tuple[int | None, SubclassShard | None]]]:
+        """New flat buffers holding the sharded parameters' rows; new DTensor parameters over them (and whole ones).
 
         ``values`` are the tensors FSDP shards (the TP-local tensor of a TP parameter) in full (``are_full``), or
-        this rank's shards of them. ``flat`` takes ``self.dtype``.
+        this rank's shards of them. Sharded plain parameters are grouped by dtype, one flat buffer per group (the
+        group of ``self.dtype`` first); protocol parameters are sharded with their own ops (subclass_params.py).
+        Returns the new parameters, their slots and (group, protocol state) per parameter.
         """
         sharded = [i for i, w in enumerate(whole) if not w]
-        self.layout = FlatLayout.build(
-            [placings[i].local_shape for i in sharded], self.world_size, [placings[i].shard_dim for i in sharded]
-        )
+        protocol = [i for i in sharded if has_fsdp_hooks(values[i])]
+        plain = [i for i in sharded if not has_fsdp_hooks(values[i])]
+        order = sorted({values[i].dtype for i in plain}, key=lambda d: (d != self.dtype, str(d)))
         on_meta = any(v.is_meta for v in values)
-        self.flat = self.devices.new_flat(self.layout.segment_numel, self.dtype, meta=on_meta)
+        self.groups = []
         slots: list[int | None] = [None] * len(values)
-        for position, i in enumerate(sharded):
+        storage: list[tuple[int | None, SubclassShard | None]] = [(None, None)] * len(values)
+        for index, dtype in enumerate(order):
+            members = [i for i in plain if values[i].dtype == dtype]
+            layout = FlatLayout.build(
+                [placings[i].local_shape for i in members], self.world_size, [placings[i].shard_dim for i in members]
+            )
+            flat = self.devices.new_flat(layout.segment_numel, dtype, meta=on_meta)
+            self.groups.append(ShardGroup(dtype, layout, flat, members))
+            for position, i in enumerate(members):
+                slots[i] = position
+                storage[i] = (index, None)
+        for position, i in enumerate(protocol):
+            padded, rows = shard_subclass(
+                values[i], placings[i].local_shape, self.rank, self.world_size, is_full=are_full
+            )
             slots[i] = position
+            storage[i] = (None, SubclassShard(padded, rows, placings[i].local_shape))
+        if self.groups:
+            self.layout, self.flat = self.groups[0].layout, self.groups[0].flat
+        else:
+            self.layout = FlatLayout.build([], self.world_size)
+            self.flat = self.devices.new_flat(0, self.dtype, meta=on_meta)
         news = []
         for i, value in enumerate(values):
             slot = slots[i]
             placing = placings[i]
+            group, subclass = storage[i]
             if slot is None:
                 local = self.devices.place(value, meta=on_meta)
+            elif subclass is not None:
+                local = subclass.local()
             else:
-                local = self.layout.shard_view(self.flat, slot, self.rank)
+                assert group is not None
+                target = self.groups[group]
+                local = target.layout.shard_view(target.flat, slot, self.rank)
                 with torch.no_grad():
                     local.copy_(local_rows(value, self.rank, self.world_size, placing.shard_dim) if are_full else value)
             placements = placing.sharded_placements(
                 self.dp.placements(whole=slot is None, split_factor=placing.split_factor, dim=placing.shard_dim)
             )
+            make = _make_protocol_param if subclass is not None else _make_sharded_param
             news.append(
-                _make_sharded_param(
+                make(
                     local, placing.spmd_mesh, placements, placing.global_shape, placing.global_stride, requires_grad[i]
                 )
             )
-        return news, slots
+        return news, slots, storage
 
     def _installed(self, mp: ManagedParam) -> None:
         setattr(mp.sharded, OWNER_ATTR, self.owner_name)
@@ -229,15 +289,18 @@ class FlatShard:
         ``torch.utils.swap_tensors`` keeps the ``nn.Parameter`` objects optimizers hold. A gradient survives when the
         parameter keeps its placement; one whose placement changes (sharded <-> whole) is dropped.
         """
-        whole = [self.kept_whole(len(mp.sharded.shape), mp.trainable) for mp in self.params]
-        news, slots = self._build(
+        whole = [
+            self.kept_whole(len(mp.sharded.shape), mp.trainable, has_fsdp_hooks(v))
+            for mp, v in zip(self.params, values, strict=True)
+        ]
+        news, slots, storage = self._build(
             [mp.placing for mp in self.params],
             values,
             whole,
             [mp.sharded.requires_grad for mp in self.params],
             are_full=are_full,
         )
-        for mp, new, slot in zip(self.params, news, slots, strict=True):
+        for mp, new, slot, (group, subclass) in zip(self.params, news, slots, storage, strict=True):
             grad = mp.sharded.grad if (slot is None) == (mp.slot is None) else None
             torch.utils.swap_tensors(mp.sharded, new)
             install_copier(mp.sharded)  # the swap moved the copier that pointed at ``new``
@@ -245,7 +308,9 @@ class FlatShard:
                 grad = grad.to(mp.sharded.dtype)
             mp.sharded.grad = grad
             mp.slot = slot
+            mp.group, mp.subclass = group, subclass
             self._installed(mp)
+        self._classify()
 
     # ------------------------------------------------------------------ keeping the views intact
     def views_intact(self) -> bool:
@@ -293,22 +358,15 @@ class FlatShard:
                     "load values without assign=True (or redistribute the DTensor to those placements first)"
                 )
             currents.append(current)  # type: ignore[arg-type]
-        dtypes = {c.dtype for c, mp in zip(currents, self.params, strict=True) if mp.slot is not None}
-        if len(dtypes) > 1:
-            listing = ", ".join(f"'{mp.fqn}': {c.dtype}" for c, mp in zip(currents, self.params, strict=True))
-            raise ValueError(
-                f"parameters of the unit rooted at {self.owner_name} now have different dtypes ({listing}); one "
-                "unit shares one flat buffer: cast the whole module (model.to(dtype)) rather than single parameters"
-            )
         for mp, current in zip(self.params, currents, strict=True):
             if current is not mp.sharded:
                 mp.sharded = current
                 mp.register(current)
-        if dtypes:
-            new_dtype = dtypes.pop()
-            if new_dtype != self.dtype:
-                logger.debug("%s: parameters were cast from %s to %s", self.owner_name, self.dtype, new_dtype)
-                self.dtype = new_dtype
+        # Parameters cast since (all of them, or some: the unit then regroups them by dtype)
+        new_dtype = _primary_dtype(currents)
+        if new_dtype != self.dtype:
+            logger.debug("%s: parameters were cast from %s to %s", self.owner_name, self.dtype, new_dtype)
+            self.dtype = new_dtype
         self.reinstall([mp.sharded._local_tensor for mp in self.params], are_full=False)
         logger.debug("re-adopted %d parameters of %s into a new flat buffer", len(self.params), self.owner_name)
 
@@ -338,8 +396,34 @@ class FlatShard:
             for mp in self.params
         ]
         new.flat = torch.zeros(0, dtype=self.dtype, device="meta")
+        new.groups = []
+        new._classify()
         new.replaced = ReplacedParams(self.owner_name, [])
         return new
+
+
+def _primary_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
+    """A unit's own dtype: the first sharded plain parameter's (else the first parameter's, else fp32)."""
+    for p in params:
+        if p.ndim > 0 and not has_fsdp_hooks(p._local_tensor if isinstance(p, DTensor) else p):
+            return p.dtype
+    return params[0].dtype if params else torch.float32
+
+
+def _make_protocol_param(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+    requires_grad: bool,
+) -> DTensor:
+    """The sharded parameter of a protocol tensor: a DTensor whose local tensor is the subclass itself (built with the
+    DTensor constructor, as torch does: ``from_local`` would run the subclass through autograd views)."""
+    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, stride, local.dtype))
+    param = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=requires_grad)
+    install_copier(param)
+    return cast(DTensor, param)
 
 
 def make_full_param(

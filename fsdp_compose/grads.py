@@ -509,6 +509,8 @@ class UnitGradients:
                 continue
             size, stride, offset = self._rows_at[id(mp)]
             rows = output.as_strided(size, stride, base + offset)
+            if rows.dtype != mp.sharded.dtype:  # a unit with several trainable dtypes reduces in one of them
+                rows = rows.to(mp.sharded.dtype)
             current = mp.sharded.grad
             if current is None or id(current) == self._placeholders.get(id(mp)):  # a placeholder holds only zeros
                 mp.sharded.grad = DTensor(rows, mp.sharded._spec, requires_grad=False)

@@ -33,6 +33,7 @@ from .meshes import (
 )
 from .offload import check_offload_policy
 from .policies import (
+    CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -42,6 +43,7 @@ from .policies import (
 )
 from .state import STATE_ATTR, ShardState, states_under
 from .step import StepContext
+from .subclass_params import check_subclass_param, has_fsdp_hooks
 from .unit import ShardedUnit
 
 logger = logging.getLogger(__name__)
@@ -133,6 +135,15 @@ def fully_shard(
     params, lifts = _collect_params(modules, ignored, owner_name)
     device = _mesh_device(mesh)
     shard_dims = _check_params(params, shard_placement_fn, owner_name)
+    _check_unit_kind(
+        params,
+        owner_name,
+        mesh,
+        reshard_after_forward=reshard_after_forward,
+        extensions=extensions,
+        offload_policy=offload_policy,
+        dp_mesh_dims=dims,
+    )
     if dims is not None:
         assert spmd_mesh is not None
         placings = [
@@ -163,6 +174,12 @@ def fully_shard(
         offload_policy,
     )
     unit.post_forward = post_forward_group_for(reshard_after_forward, mesh)
+    unit.hook_policy = torch_fsdp.MixedPrecisionPolicy(
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        output_dtype=mp_policy.output_dtype,
+        cast_forward_inputs=mp_policy.cast_forward_inputs,
+    )
     state = ShardState(
         tuple(modules),
         unit,
@@ -451,27 +468,77 @@ def _check_params(
                 f"parameter '{fqn}' of {owner_name} has dtype {param.dtype}; only floating-point parameters can be "
                 "sharded — pass it in ignored_params or make it a buffer"
             )
-    dtypes = {p.dtype for _, p, _ in params if p.ndim > 0}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"'{fqn}': {p.dtype}" for fqn, p, _ in params[:8])
-        raise ValueError(
-            f"parameters of {owner_name} have different dtypes ({listing}); one unit shares one flat buffer — cast "
-            "them to one dtype or call fully_shard on the submodules that differ first"
-        )
-    # A 0-dim parameter is kept whole, not in the flat buffer, but its gradient is reduced with the unit's (in the
-    # unit's dtype): it must share that dtype too.
-    unit_dtype = next((p.dtype for _, p, _ in params if p.ndim > 0), params[0][1].dtype if params else None)
+    # Several dtypes share a unit: each dtype group has its own flat buffer, gathered in one collective (see
+    # gather_plan.py). A 0-dim parameter is kept whole and its gradient reduced with the unit's: it must have one of
+    # the dtypes of the unit's other parameters.
+    unit_dtypes = {p.dtype for _, p, _ in params if p.ndim > 0} or {p.dtype for _, p, _ in params}
     for fqn, param, _ in params:
-        if param.ndim == 0 and param.dtype != unit_dtype:
+        if param.ndim == 0 and param.dtype not in unit_dtypes:
+            listing = " or ".join(sorted(str(d) for d in unit_dtypes))
             raise ValueError(
-                f"parameter '{fqn}' of {owner_name} is a 0-dim {param.dtype} parameter in a unit of {unit_dtype} "
-                f"parameters; its gradient is reduced with theirs, in {unit_dtype}. Cast it to {unit_dtype}, move it "
+                f"parameter '{fqn}' of {owner_name} is a 0-dim {param.dtype} parameter in a unit of {listing} "
+                f"parameters; its gradient is reduced with theirs, in {listing}. Cast it to {listing}, move it "
                 "into a submodule and call fully_shard on that submodule first, or pass it in ignored_params (then "
                 "its gradient is not reduced)"
             )
     if shard_placement_fn is None:
-        return [0] * len(params)
-    return [_shard_dim(fqn, param, shard_placement_fn(param), owner_name) for fqn, param, _ in params]
+        dims = [0] * len(params)
+    else:
+        dims = [_shard_dim(fqn, param, shard_placement_fn(param), owner_name) for fqn, param, _ in params]
+    for (fqn, param, _), dim in zip(params, dims, strict=True):
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if has_fsdp_hooks(local):
+            check_subclass_param(fqn, param, owner_name, dim)
+        elif type(local) not in (torch.Tensor, nn.Parameter):
+            raise TypeError(
+                f"parameter '{fqn}' of {owner_name} is a {type(local).__name__}, a tensor subclass without FSDP2's "
+                "all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather): copied into a flat buffer it would "
+                "lose its class; implement the hooks (docs/subclasses.md), or pass it in ignored_params"
+            )
+    return dims
+
+
+def _check_unit_kind(
+    params: list[_ParamEntry],
+    owner_name: str,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool | int | None,
+    extensions: ShardExtensions | None,
+    offload_policy: OffloadPolicy,
+    dp_mesh_dims: object,
+) -> None:
+    """Raise for settings a unit of several dtypes, or with protocol parameters, cannot combine with."""
+    protocol = [fqn for fqn, p, _ in params if has_fsdp_hooks(p._local_tensor if isinstance(p, DTensor) else p)]
+    dtypes = {p.dtype for _, p, _ in params if p.ndim > 0}
+    if not protocol and len(dtypes) <= 1:
+        return
+    what = (
+        f"parameters using FSDP2's all-gather hooks ({', '.join(repr(f) for f in protocol[:4])})"
+        if protocol
+        else f"parameters of several dtypes ({', '.join(sorted(str(d) for d in dtypes))})"
+    )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard on {owner_name}: reshard_after_forward={reshard_after_forward} (a group size) with {what} "
+            "is not supported; use True or False"
+        )
+    if extensions is not None and extensions.all_gather is not None:
+        raise NotImplementedError(
+            f"fully_shard on {owner_name}: an all_gather extension with {what} is not supported (the extension "
+            "encodes one flat buffer); shard the differing submodule separately, or drop the extension"
+        )
+    if protocol and isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            f"fully_shard on {owner_name}: CPU offload with {what} is not supported yet; use OffloadPolicy()"
+        )
+    if protocol and dp_mesh_dims is not None:
+        raise NotImplementedError(f"fully_shard on {owner_name}: dp_mesh_dims with {what} is not supported yet")
+    if protocol and mesh.ndim > 1 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"fully_shard on {owner_name}: {what} on a 2-D (HSDP) mesh need mesh_dim_names (their pre-hook "
+            "receives the shard dim's mesh); build the mesh with init_device_mesh(..., mesh_dim_names=...)"
+        )
 
 
 def _shard_dim(fqn: str, param: nn.Parameter, placement: object, owner_name: str) -> int:

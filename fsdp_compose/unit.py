@@ -30,18 +30,21 @@ from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import Work, all_gather_flat, labelled
 from .extensions import ShardExtensions
 from .flat import FlatShard, ManagedParam, make_full_param
+from .gather_plan import FullBuffer, GatherPlan
 from .grads import ReduceSpec, UnitGradients
 from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_scatter_group
 from .offload import UnitDevices
 from .policies import OffloadPolicy
 from .sharding import FlatLayout, copy_param_from_segments, write_param_into_segments
 from .streams import issued_on, record_event, wait_for
+from .subclass_params import shard_mesh
 from .transitions import checked
 
 logger = logging.getLogger(__name__)
@@ -83,60 +86,6 @@ def _plain_tensors(method: _Method) -> _Method:
 
 
 @dataclass
-class _FullBuffer:
-    """The full (unsharded) parameters of a unit's sharded slots, all in one storage, built once and reused.
-
-    Parameter-major and padded: slot ``i`` owns ``world_size * slot.numel`` elements, viewed as ``(world_size,
-    slot.numel)`` (``outs[i]``), exactly the columns of slot ``i`` in the all-gathered ``(world_size, segment)`` buffer.
-    So the copy-out of a whole unit is one ``split_with_sizes_copy``, and freeing or refilling it is one storage resize.
-    The full parameters are views of the same storage through ``.data`` (their own version counter): refilling it
-    does not trip autograd's check on tensors saved in forward.
-    """
-
-    layout: FlatLayout
-    dtype: torch.dtype
-    data: torch.Tensor
-    splits: list[int]
-    outs: list[torch.Tensor]
-    relaid: dict[int, int]  # slot sharded on a dim k > 0 -> where its full parameter starts, after the padded part
-    # id(ManagedParam) -> (full parameter, its .data, hooked) of this dtype: set again when this dtype is gathered
-    params: dict[int, tuple[Any, Any, bool]] | None = None
-
-    @classmethod
-    def build(cls, layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> _FullBuffer:
-        world_size = layout.world_size
-        # A Shard(k) slot's region holds the ranks' chunks along k one after another, not the parameter: its full
-        # parameter gets its own place after the padded part (same storage: freed and refilled with the rest).
-        relaid: dict[int, int] = {}
-        end = world_size * layout.segment_numel
-        for index, slot in enumerate(layout.slots):
-            if slot.dim != 0:
-                relaid[index] = end
-                end += slot.shape.numel()
-        data = torch.empty(end, dtype=dtype, device=device)
-        outs = [
-            data[world_size * slot.offset : world_size * (slot.offset + slot.numel)].view(world_size, slot.numel)
-            for slot in layout.slots
-        ]
-        return cls(layout, dtype, data, [slot.numel for slot in layout.slots], outs, relaid)
-
-    def param_view(self, index: int) -> torch.Tensor:
-        """The full parameter of slot ``index``: its first ``dim0`` rows (the rest is padding), or its own place."""
-        slot = self.layout.slots[index]
-        start = self.relaid.get(index, self.layout.world_size * slot.offset)
-        return self.data.data[start : start + slot.shape.numel()].view(slot.shape)
-
-    def allocate(self) -> None:
-        storage = self.data.untyped_storage()
-        needed = self.data.numel() * self.data.element_size()
-        if storage.size() < needed:
-            storage.resize_(needed)
-
-    def free(self) -> None:
-        self.data.untyped_storage().resize_(0)
-
-
-@dataclass
 class _PendingGather:
     """An all-gather in flight. It holds its input too: an asynchronous collective reads it until the wait."""
 
@@ -144,6 +93,7 @@ class _PendingGather:
     output: torch.Tensor
     input: torch.Tensor
     encoded: bool  # the output needs the all-gather extension's decode
+    plan: GatherPlan | None = None  # several dtypes or protocol parameters in one all-gather (gather_plan.py)
     issued: torch.Event | None = None  # recorded on the side stream after the copy-in and the collective's issue
 
 
@@ -200,10 +150,12 @@ class ShardedUnit:
         self._pending_gather: _PendingGather | None = None
         self.post_forward: PostForwardGroup | None = None  # set by reshard_after_forward=k (1 < k < world size)
         self._group_block: torch.Tensor | None = None  # GROUP_SHARDED: this rank's W/k segments of the gathered buffer
-        # The sharded slots' full parameters, one buffer per compute dtype gathered (kept, storage freed when
-        # sharded): an fp32 eval forward between a bf16 forward and its backward must not replace the bf16 tensors
-        # that autograd saved, so the backward's gather refills those.
-        self._fulls: dict[torch.dtype, _FullBuffer] = {}
+        # Per (dtype group, compute dtype), its sharded slots' full parameters (kept, storage freed when sharded): an
+        # fp32 eval forward between a bf16 forward and its backward must not replace the bf16 tensors that autograd
+        # saved, so the backward's gather refills those.
+        self._fulls: dict[tuple[int, torch.dtype], FullBuffer] = {}
+        # What a protocol parameter's hooks receive (torch's policy class); set by fully_shard
+        self.hook_policy: torch_fsdp.MixedPrecisionPolicy = torch_fsdp.MixedPrecisionPolicy(param_dtype, reduce_dtype)
         self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
         self.grads = UnitGradients(self._reduce_spec(), self.params)
 
@@ -245,11 +197,26 @@ class ShardedUnit:
         """The compute dtype of forward and backward by policy (the parameters' own dtype without one)."""
         return self.policy_param_dtype or self.shards.dtype
 
+    def _trainable_dtypes(self) -> set[torch.dtype]:
+        return {mp.sharded.dtype for mp in self.params if mp.trainable}
+
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return self.policy_reduce_dtype or self.param_dtype
+        """Gradients are reduced (and accumulated) in this: the policy's ``reduce_dtype``, else its ``param_dtype``,
+        else the trainable parameters' dtype; with several trainable dtypes in one unit (and no policy) the widest of
+        them (torch's fully_shard refuses that case)."""
+        if self.policy_reduce_dtype is not None or self.policy_param_dtype is not None:
+            return self.policy_reduce_dtype or self.param_dtype
+        dtypes = self._trainable_dtypes()
+        if len(dtypes) <= 1:
+            return dtypes.pop() if dtypes else self.shards.dtype
+        widest = self.shards.dtype
+        for dtype in sorted(dtypes, key=str):
+            widest = torch.promote_types(widest, dtype)
+        return widest
 
     def _reduce_spec(self) -> ReduceSpec:
+        dtypes = self._trainable_dtypes()
         return ReduceSpec(
             owner_name=self.owner_name,
             dp=self.dp,
@@ -257,9 +224,21 @@ class ShardedUnit:
             device=self.device,
             devices=self.devices,
             reduce_dtype=self.reduce_dtype,
-            grad_dtype=self.shards.dtype,
+            # several trainable dtypes: each gradient is cast to its parameter's dtype where it is handed out
+            grad_dtype=dtypes.pop() if len(dtypes) == 1 else (self.reduce_dtype if dtypes else self.shards.dtype),
             extensions=self.extensions,
         )
+
+    def compute_dtype_for(self, own: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+        """The compute dtype of a parameter of dtype ``own`` when the unit is gathered in ``dtype``.
+
+        The unit's own dtype group (and every parameter of a one-dtype unit) takes ``dtype``; in a unit of several
+        dtypes the others take the policy's ``param_dtype`` when ``dtype`` is it, else keep their own (as torch's
+        fully_shard casts each parameter to ``param_dtype`` or leaves it).
+        """
+        if own == self.shards.dtype or (self.policy_param_dtype is not None and dtype == self.policy_param_dtype):
+            return dtype
+        return own
 
     # ------------------------------------------------------------------ state machine
     def _to(self, new: UnitState) -> None:
@@ -317,6 +296,9 @@ class ShardedUnit:
             return
         self.adopt_if_changed()
         self.compute_dtype = dtype
+        if not self.shards.uniform:
+            self._start_plan(dtype, async_op=async_op)
+            return
         transform = self.extensions.all_gather
         numel = self.layout.segment_numel
         flat = self.shards.flat
@@ -351,6 +333,58 @@ class ShardedUnit:
         self._pending_gather = pending
         self._to(UnitState.GATHERING)
 
+    def _start_plan(self, dtype: torch.dtype, *, async_op: bool) -> None:
+        """Several dtype groups or protocol parameters: one all-gather of all their inputs (see gather_plan.py).
+
+        Runs on the compute stream: a pre-hook may communicate (float8's amax) and decides the collective's size.
+        """
+        inputs = [
+            self.devices.to_compute(group.flat, self.compute_dtype_for(group.dtype, dtype))
+            for group in self.shards.groups
+        ]
+        with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"):
+            for mp in self.shards.protocol:
+                assert mp.subclass is not None
+                module = mp.owners[0][0]
+                local = mp.sharded._local_tensor
+                inputs.extend(mp.subclass.all_gather_inputs(local, shard_mesh(self.dp.mesh), module, self.hook_policy))
+            plan = GatherPlan.copy_in(inputs, self.world_size, self.rank, self.device)
+            work = None
+            if self.world_size > 1 and plan.shard.numel() > 0:
+                work = all_gather_flat(plan.output, plan.shard, self.group, async_op=async_op)
+        self._pending_gather = _PendingGather(work, plan.output, plan.shard, encoded=False, plan=plan)
+        self._to(UnitState.GATHERING)
+
+    def _copy_out_plan(self, plan: GatherPlan, dtype: torch.dtype) -> None:
+        """Split the gathered inputs into every group's full parameters and every protocol parameter's outputs; the
+        post-hooks then build (first gather) or refill (``out=``) the unsharded protocol parameters."""
+        outs: list[torch.Tensor] = []
+        fulls = []
+        for index, group in enumerate(self.shards.groups):
+            full = self._full_buffer(self.compute_dtype_for(group.dtype, dtype), index)
+            outs.extend(full.outs)
+            fulls.append(full)
+        protocol = self.shards.protocol
+        first = len(self.shards.groups)
+        for mp in protocol:
+            assert mp.subclass is not None
+            count = len(mp.subclass.input_sizes)
+            dtypes, numels = plan.input_dtypes[first : first + count], plan.input_numels[first : first + count]
+            first += count
+            buffers = mp.subclass.output_buffers(dtypes, numels, self.world_size, self.device)
+            outs.extend(b.view(self.world_size, -1) for b in buffers)
+        plan.copy_out(outs, self.world_size)
+        for full in fulls:
+            full.relay()
+        for mp in protocol:
+            assert mp.subclass is not None
+            own = self.compute_dtype_for(mp.sharded.dtype, dtype)
+            unsharded = mp.subclass.unshard(mp.sharded._local_tensor, own, mp.trainable)
+            if mp.full is not unsharded:
+                mp.full = mp.full_data = unsharded
+                mp.full_hooked = False
+                self._hook_full(mp)
+
     def _start_group_gather(self, block: torch.Tensor, *, async_op: bool) -> None:
         """All-gather the post-forward blocks within the group of k ranks: all ``W`` segments, in order."""
         assert self.post_forward is not None
@@ -373,21 +407,13 @@ class ShardedUnit:
                 pending.work.wait()
         dtype = self.compute_dtype
         with labelled(f"fsdp_compose::all_gather_copy_out[{self.owner_name}]"):
-            gathered = pending.output
-            transform = self.extensions.all_gather
-            if pending.encoded and transform is not None:
-                segments = transform.decode(gathered.view(self.world_size, -1), dtype)
-                segments = segments[:, : self.layout.segment_numel]
+            if pending.plan is not None:
+                self._copy_out_plan(pending.plan, dtype)
             else:
-                segments = gathered.view(self.world_size, self.layout.segment_numel)
-            full = self._full_buffer(dtype)
-            if full.splits and self.layout.segment_numel > 0:
-                torch.split_with_sizes_copy(segments, full.splits, dim=1, out=full.outs)
-            for index in full.relaid:
-                copy_param_from_segments(full.param_view(index), segments, self.layout.slots[index])
+                self._copy_out(pending, dtype)
             for mp in self.params:
                 if mp.slot is None:
-                    full_data = self._ensure_full(mp, dtype)
+                    full_data = self._ensure_full(mp, self.compute_dtype_for(mp.sharded.dtype, dtype))
                     if full_data.data_ptr() != mp.sharded._local_tensor.data_ptr():
                         self.devices.copy_to_compute(full_data, mp.sharded._local_tensor)
                 elif mp.full is not None and mp.full.requires_grad != mp.trainable:
@@ -402,23 +428,39 @@ class ShardedUnit:
         self.start_unshard(dtype, async_op=False)
         self.finish_unshard()
 
-    def _full_buffer(self, dtype: torch.dtype) -> _FullBuffer:
-        """The sharded slots' full parameters with storage allocated: built on first use and when the layout, the
+    def _copy_out(self, pending: _PendingGather, dtype: torch.dtype) -> None:
+        """One dtype group: the gathered segments (decoded by an extension) into its full parameters."""
+        gathered = pending.output
+        transform = self.extensions.all_gather
+        if pending.encoded and transform is not None:
+            segments = transform.decode(gathered.view(self.world_size, -1), dtype)
+            segments = segments[:, : self.layout.segment_numel]
+        else:
+            segments = gathered.view(self.world_size, self.layout.segment_numel)
+        full = self._full_buffer(dtype)
+        if full.splits and self.layout.segment_numel > 0:
+            torch.split_with_sizes_copy(segments, full.splits, dim=1, out=full.outs)
+        for index in full.relaid:
+            copy_param_from_segments(full.param_view(index), segments, self.layout.slots[index])
+
+    def _full_buffer(self, dtype: torch.dtype, group: int = 0) -> FullBuffer:
+        """A dtype group's full parameters with storage allocated: built on first use and when the layout, the
         dtype or a parameter object changed; otherwise the same tensors, their storage resized back."""
-        full = self._fulls.get(dtype)
-        fresh = full is None or full.layout is not self.layout
-        if fresh:
-            full = self._fulls[dtype] = _FullBuffer.build(self.layout, dtype, self.device)
-            full.params = {}
-        assert full is not None and full.params is not None
-        for mp in self.params:
-            if mp.slot is None:
-                continue
+        key = (group, dtype)
+        full = self._fulls.get(key)
+        groups = self.shards.groups
+        layout = groups[group].layout if groups else self.layout
+        members = [mp for mp in self.params if mp.group == group and mp.slot is not None]
+        fresh = full is None or full.layout is not layout
+        if full is None or fresh:
+            full = self._fulls[key] = FullBuffer.build(layout, dtype, self.device)
+        for mp in members:
+            assert mp.slot is not None
             current = None if fresh else mp.full
             if current is not None and current.dtype != dtype:
                 # Another dtype's full parameter: keep it with its buffer (autograd may hold it), take this dtype's.
-                other = self._fulls.get(current.dtype)
-                if other is not None and other.params is not None:
+                other = self._fulls.get((group, current.dtype))
+                if other is not None:
                     other.params[id(mp)] = (current, mp.full_data, mp.full_hooked)
                 current = None
             cached = full.params.get(id(mp))
@@ -435,7 +477,7 @@ class ShardedUnit:
     def _ensure_full(self, mp: ManagedParam, dtype: torch.dtype) -> torch.Tensor:
         """A kept-whole parameter's full ``.data`` with storage allocated (created on first use, resized back after)."""
         if mp.full is None or mp.full.dtype != dtype:
-            if mp.slot is None and dtype == self.shards.dtype and not self.devices.offloaded:
+            if mp.slot is None and dtype == mp.sharded.dtype and not self.devices.offloaded:
                 local = mp.sharded._local_tensor  # whole: the full parameter aliases it, no copy
             else:
                 local = torch.empty(mp.placing.local_shape, dtype=dtype, device=self.device)
@@ -481,6 +523,9 @@ class ShardedUnit:
                 full_data.untyped_storage().resize_(0)
         for full in self._fulls.values():
             full.free()
+        for mp in self.params:
+            if mp.subclass is not None:
+                mp.subclass.free()
 
     def reshard_to_group(self) -> None:
         """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest.
@@ -489,6 +534,11 @@ class ShardedUnit:
         ``1/k`` of the unit per rank within the group instead of ``1/W`` over the whole shard group.
         """
         assert self.post_forward is not None, "reshard_after_forward=k sets the post-forward group"
+        if not self.shards.uniform:
+            raise NotImplementedError(
+                f"reshard_after_forward={self.post_forward.size} on {self.owner_name}, whose parameters have several "
+                "dtypes or use FSDP2's all-gather hooks; use True or False for this unit"
+            )
         if self.state is UnitState.GATHERING:
             self.finish_unshard()
         if self.state is not UnitState.UNSHARDED:
@@ -535,7 +585,9 @@ class ShardedUnit:
         for mp in self.params:
             mp.trainable = self.current_requires_grad(mp)
             mp.sharded.requires_grad_(mp.trainable)
-        new_whole = [self.shards.kept_whole(len(mp.sharded.shape), mp.trainable) for mp in self.params]
+        new_whole = [
+            self.shards.kept_whole(len(mp.sharded.shape), mp.trainable, mp.subclass is not None) for mp in self.params
+        ]
         if new_whole != old_whole:
             self._relayout()
         for mp in self.params:
@@ -543,6 +595,9 @@ class ShardedUnit:
                 mp.full.requires_grad_(mp.trainable)
                 self._hook_full(mp)
         self.grads.refresh(self.params)
+        spec = self._reduce_spec()
+        if spec != self.grads.spec:  # a unit of several dtypes: which are trainable decides the reduce dtype
+            self.grads = _rebuilt_gradients(self.grads, spec, self.params)
         return True
 
     def _hook_full(self, mp: ManagedParam) -> None:

@@ -73,10 +73,18 @@ def _errors_at_shard_time(rank: int, ws: int) -> None:
     _expect(ValueError, r"different devices.*'1.weight' on meta", fc.fully_shard, model, mesh=mesh)
     _assert_untouched(model, before)
 
-    # different dtypes inside one unit
+    # different dtypes inside one unit are sharded (one flat buffer per dtype), but not with an all-gather extension
     mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).double())
     before = _snapshot(mixed)
-    _expect(ValueError, r"different dtypes.*'1.weight': torch.float64", fc.fully_shard, mixed, mesh=mesh)
+    int8 = fc.ShardExtensions(all_gather=fc.Int8AllGather())
+    _expect(
+        NotImplementedError,
+        r"all_gather extension with parameters of several dtypes \(torch.float32, torch.float64\)",
+        fc.fully_shard,
+        mixed,
+        mesh=mesh,
+        extensions=int8,
+    )
     _assert_untouched(mixed, before)
 
     # an integer parameter cannot be sharded; ignoring it works

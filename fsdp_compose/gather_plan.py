@@ -1,0 +1,135 @@
+"""The all-gather of a unit whose parameters have several dtypes or use FSDP2's tensor-subclass protocol.
+
+A unit with one dtype and plain tensors gathers its flat buffer directly (unit.py, the fast path). Otherwise its
+rank's all-gather input is the concatenation of
+
+- each dtype group's flat segment (flat.py ``ShardGroup``), cast to that group's compute dtype, and
+- each protocol parameter's pre-hook outputs (subclass_params.py), exactly as returned,
+
+in that order, sent as **one** all-gather: in their common dtype when they share one, else as bytes (``uint8``
+views), as torch's ``foreach_all_gather`` does, so the collective's size equals torch's. A float8 input is always
+sent as bytes: gloo has no float8 all-gather, and the bytes are the same. The copy-out is one
+``split_with_sizes_copy`` of the gathered ``(world_size, input)`` buffer into every group's full parameters (their
+``FullBuffer`` columns) and every protocol parameter's kept all-gather outputs, viewed as bytes where needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .sharding import FlatLayout, copy_param_from_segments
+
+__all__ = ["FullBuffer", "GatherPlan", "gather_dtype"]
+
+_FLOAT8 = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+)
+
+
+def gather_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The dtype the collective runs in: the inputs' common dtype, else bytes (always bytes for float8)."""
+    if len(set(dtypes)) == 1 and dtypes[0] not in _FLOAT8:
+        return dtypes[0]
+    return torch.uint8
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
+
+
+@dataclass
+class FullBuffer:
+    """The full (unsharded) parameters of one dtype group's sharded slots, in one storage, built once and reused.
+
+    Parameter-major and padded: slot ``i`` owns ``world_size * slot.numel`` elements, viewed as ``(world_size,
+    slot.numel)`` (``outs[i]``), exactly the columns of slot ``i`` in the all-gathered ``(world_size, segment)`` buffer.
+    So the copy-out of a whole group is one ``split_with_sizes_copy``, and freeing or refilling it is one storage
+    resize. The full parameters are views of the same storage through ``.data`` (their own version counter):
+    refilling it does not trip autograd's check on tensors saved in forward.
+    """
+
+    layout: FlatLayout
+    dtype: torch.dtype
+    data: torch.Tensor
+    splits: list[int]
+    outs: list[torch.Tensor]
+    relaid: dict[int, int]  # slot sharded on a dim k > 0 -> where its full parameter starts, after the padded part
+    # id(ManagedParam) -> (full parameter, its .data, hooked) in this dtype: set again when this dtype is gathered
+    params: dict[int, tuple[Any, Any, bool]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> FullBuffer:
+        world_size = layout.world_size
+        # A Shard(k) slot's region holds the ranks' chunks along k one after another, not the parameter: its full
+        # parameter gets its own place after the padded part (same storage: freed and refilled with the rest).
+        relaid: dict[int, int] = {}
+        end = world_size * layout.segment_numel
+        for index, slot in enumerate(layout.slots):
+            if slot.dim != 0:
+                relaid[index] = end
+                end += slot.shape.numel()
+        data = torch.empty(end, dtype=dtype, device=device)
+        outs = [
+            data[world_size * slot.offset : world_size * (slot.offset + slot.numel)].view(world_size, slot.numel)
+            for slot in layout.slots
+        ]
+        return cls(layout, dtype, data, [slot.numel for slot in layout.slots], outs, relaid)
+
+    def param_view(self, index: int) -> torch.Tensor:
+        """The full parameter of slot ``index``: its first ``dim0`` rows (the rest is padding), or its own place."""
+        slot = self.layout.slots[index]
+        start = self.relaid.get(index, self.layout.world_size * slot.offset)
+        return self.data.data[start : start + slot.shape.numel()].view(slot.shape)
+
+    def relay(self) -> None:
+        """After the columns are filled: move each Shard(k) slot's chunks into its full parameter."""
+        for index in self.relaid:
+            slot = self.layout.slots[index]
+            copy_param_from_segments(self.param_view(index), self.outs[index], dataclasses.replace(slot, offset=0))
+
+    def allocate(self) -> None:
+        storage = self.data.untyped_storage()
+        needed = self.data.numel() * self.data.element_size()
+        if storage.size() < needed:
+            storage.resize_(needed)
+
+    def free(self) -> None:
+        self.data.untyped_storage().resize_(0)
+
+
+@dataclass
+class GatherPlan:
+    """One issued all-gather of several inputs: what the copy-out needs to split it again."""
+
+    dtype: torch.dtype  # the collective's dtype (``uint8``: bytes)
+    input_dtypes: list[torch.dtype]
+    input_numels: list[int]  # in each input's own dtype
+    output: torch.Tensor  # (world_size * sum of the inputs' sizes in ``dtype``,)
+    shard: torch.Tensor  # this rank's part of ``output`` (the collective's input)
+
+    @classmethod
+    def copy_in(cls, inputs: list[torch.Tensor], world_size: int, rank: int, device: torch.device) -> GatherPlan:
+        """Allocate the output and copy the inputs into this rank's part of it (one foreach copy)."""
+        dtypes = [t.dtype for t in inputs]
+        dtype = gather_dtype(dtypes)
+        sent = [_as(t, dtype) for t in inputs]
+        sizes = [t.numel() for t in sent]
+        total = sum(sizes)
+        output = torch.empty(world_size * total, dtype=dtype, device=device)
+        shard = output[rank * total : (rank + 1) * total]
+        with torch.no_grad():
+            torch._foreach_copy_(list(torch.split(shard, sizes)), sent)
+        return cls(dtype, dtypes, [t.numel() for t in inputs], output, shard)
+
+    def copy_out(self, outs: list[torch.Tensor], world_size: int) -> None:
+        """Fill ``outs`` (each ``(world_size, n)``, contiguous, in the order of the inputs' parts) in one copy."""
+        received = [_as(out, self.dtype) for out in outs]
+        splits = [out.shape[1] for out in received]
+        if received:
+            torch.split_with_sizes_copy(self.output.view(world_size, -1), splits, dim=1, out=received)

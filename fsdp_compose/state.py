@@ -301,7 +301,7 @@ class ShardState:
                 ctx.gather_for_backward(self)
             else:
                 self.gather_now()
-            return self._cast_inputs(module, args, kwargs, self.compute_dtype(module))
+            return cast_inputs(self, module, args, kwargs, self.compute_dtype(module))
         if self.root is None:
             self.lazy_init()
         if self.ctx is not None and self.active == 0:
@@ -314,7 +314,7 @@ class ShardState:
         ctx = self.root_ctx
         entry = _Entry(ctx.next_call_number() if ctx is not None else 0)
         self.calls.setdefault(id(module), []).append(entry)
-        args, kwargs = self._cast_inputs(module, args, kwargs, compute_dtype)
+        args, kwargs = cast_inputs(self, module, args, kwargs, compute_dtype)
         if torch.is_grad_enabled():
             args, kwargs = self._wrap_inputs(args, kwargs, entry)
         return args, kwargs
@@ -346,34 +346,6 @@ class ShardState:
                 if not target.opened:
                     target.start_gather(async_op=True)
 
-    def _cast_inputs(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if dtype == self.unit.orig_dtype or not self.mp_policy.cast_forward_inputs:
-            return args, kwargs
-
-        def cast(leaf: torch.Tensor) -> torch.Tensor:
-            if leaf.is_floating_point() and leaf.dtype != dtype:
-                self.incoming_dtype.setdefault(id(module), leaf.dtype)
-                return leaf.to(dtype)
-            return leaf
-
-        new_args, new_kwargs = map_tensors(cast, (args, kwargs))
-        return new_args, new_kwargs
-
-    def _cast_outputs(self, module: nn.Module, output: Any) -> Any:
-        """``output_dtype`` when set; otherwise a non-root unit that cast its inputs down hands its outputs back in
-        the dtype those inputs came in, so a bf16 block inside an fp32 model just works."""
-        incoming = self.incoming_dtype.pop(id(module), None)
-        if self.full_precision_now:
-            return output
-        dtype = self.mp_policy.output_dtype
-        if dtype is None and incoming is not None and not self.is_root:
-            dtype = incoming
-        if dtype is None:
-            return output
-        return map_tensors(lambda v: _cast_floating(v, dtype), output)
-
     def _wrap_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], entry: _Entry) -> tuple[Any, Any]:
         needing = _unique(t for t in tensors_in((args, kwargs)) if t.requires_grad)
         if not needing or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in needing):
@@ -391,7 +363,7 @@ class ShardState:
             return self._post_forward(module, output)
 
     def _post_forward(self, module: nn.Module, output: Any) -> Any:
-        output = self._cast_outputs(module, output)
+        output = cast_outputs(self, module, output)
         if in_backward():
             return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
         calls = self.calls.get(id(module))
@@ -490,6 +462,36 @@ class ShardState:
         new.kept_unsharded = False
         new.reset_step()
         return new
+
+
+def cast_inputs(
+    state: ShardState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if dtype == state.unit.orig_dtype or not state.mp_policy.cast_forward_inputs:
+        return args, kwargs
+
+    def cast(leaf: torch.Tensor) -> torch.Tensor:
+        if leaf.is_floating_point() and leaf.dtype != dtype:
+            state.incoming_dtype.setdefault(id(module), leaf.dtype)
+            return leaf.to(dtype)
+        return leaf
+
+    new_args, new_kwargs = map_tensors(cast, (args, kwargs))
+    return new_args, new_kwargs
+
+
+def cast_outputs(state: ShardState, module: nn.Module, output: Any) -> Any:
+    """``output_dtype`` when set; otherwise a non-root unit that cast its inputs down hands its outputs back in
+    the dtype those inputs came in, so a bf16 block inside an fp32 model just works."""
+    incoming = state.incoming_dtype.pop(id(module), None)
+    if state.full_precision_now:
+        return output
+    dtype = state.mp_policy.output_dtype
+    if dtype is None and incoming is not None and not state.is_root:
+        dtype = incoming
+    if dtype is None:
+        return output
+    return map_tensors(lambda v: _cast_floating(v, dtype), output)
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 import fsdp_compose as fc
 from fsdp_compose.pipelining import PipelineStage as FcPipelineStage
 from tests.dist_utils import full_value, mesh_nd
-from tests.integration.counting import CollectiveCounter
+from tests.integration.counting import totals
 
 DIM = 8
 MICRO_BATCHES = 4
@@ -74,14 +74,14 @@ def _train(rank: int, ws: int, variant: str, schedule: str, reshard_after_forwar
         x = torch.randn(4 * MICRO_BATCHES, DIM, generator=gen).chunk(dp_size)[dp_rank]
         y = torch.randn(4 * MICRO_BATCHES, DIM, generator=gen).chunk(dp_size)[dp_rank]
         step_losses: list[torch.Tensor] = []
-        with CollectiveCounter() as counter:
+        with fc.CollectiveRecorder() as counter:
             if pp_rank == 0:
                 pipe.step(x)
             else:
                 pipe.step(target=y, losses=step_losses)
         optimizer.step()
         optimizer.zero_grad()
-        counts.append(dict(counter.counts))
+        counts.append(totals(counter))
         losses.extend(loss.item() for loss in step_losses)
     params = {f"{s.stage_index}.{n}": full_value(p.detach()) for s in stages for n, p in s.submod.named_parameters()}
     return {"params": params, "counts": counts, "losses": losses}

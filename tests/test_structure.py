@@ -25,7 +25,6 @@ CLASS_SIZE_ALLOW_LIST: dict[str, int] = {
 }
 
 
-
 def _module_names() -> dict[str, Path]:
     names = {}
     for path in PACKAGE.rglob("*.py"):

@@ -13,7 +13,7 @@ no machinery for a setting, the reason is one of:
   ``set_separate_reduce_scatter_group(True)``, ``set_is_last_backward(True)``): any value is accepted and the results
   are those of FSDP2 with that setting;
 - it tunes streams or buffers fsdp_compose does not have (``set_post_optim_event``, ``share_comm_ctx``,
-  ``set_reduce_scatter_max_input_buffers``, ``set_allocate_memory_from_process_group_for_comm``,
+  ``set_allocate_memory_from_process_group_for_comm``,
   ``set_symm_mem_for_comm``, ``_set_unshard_async_op``): values are validated and nothing changes in what is computed;
 - ``set_unshard_in_backward(False)`` would save an all-gather: fsdp_compose gathers anyway (a warning says so; the
   gradients are the same);

@@ -134,12 +134,11 @@ def agree_on_backward(
     fingerprint = schedule.fingerprint() if checks else 0
     # [mask..., abandoning ranks..., fingerprint, -fingerprint]: one MAX gives the union, the set of ranks that
     # abandon, and whether every fingerprint was equal (max == -max(-x) only when all are equal).
-    values = torch.zeros(n + world + 2, dtype=torch.int64, device=root.device)
-    values[:n] = torch.tensor(reached, dtype=torch.int64)
+    flags = [0] * world
     if abandoning:
-        values[n + me] = 1
-    values[n + world] = fingerprint
-    values[n + world + 1] = -fingerprint
+        flags[me] = 1
+    row = [*map(int, reached), *flags, fingerprint, -fingerprint]
+    values = torch.tensor(row, dtype=torch.int64, device=root.device)
     for group in groups:
         all_reduce_max(values, group)
     if is_fake(values):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -489,7 +490,8 @@ def _check_params(
         local = param._local_tensor if isinstance(param, DTensor) else param
         if has_fsdp_hooks(local):
             check_subclass_param(fqn, param, owner_name, dim)
-        elif type(local) not in (torch.Tensor, nn.Parameter):
+        elif type(local) not in (torch.Tensor, nn.Parameter) and not isinstance(local, FakeTensor):
+            # (a FakeTensor stands for a plain tensor: the planner's simulated step, torch.compile's tracing)
             raise TypeError(
                 f"parameter '{fqn}' of {owner_name} is a {type(local).__name__}, a tensor subclass without FSDP2's "
                 "all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather): copied into a flat buffer it would "

@@ -122,10 +122,12 @@ class BackwardWalk:
         self.done.add(id(state))
         if id(state) not in self.gathered:
             self._pass_gathers_up_to(state)  # peers gather it: so does this rank, before its reduction
-        if state.reshard_after_backward or id(state) not in self.reached_here:
-            # Free the full parameters first: the gradients live apart from them (in ``.grad`` or the buffer).
-            if not (id(state) not in self.reached_here and state.unit.state is UnitState.GATHERING):
-                state.unit.reshard()
+        if state.reshard_after_backward and state.unit.state is not UnitState.GATHERING:
+            # Free the full parameters first: the gradients live apart from them (in ``.grad`` or the buffer). The
+            # same decision on every rank, whether its backward ran the unit or not (the next forward gathers what
+            # was freed: it must be freed everywhere). One still gathering (passed, never needed here) is freed in
+            # the final callback, when waiting for its all-gather cannot block a peer.
+            state.unit.reshard()
         state.opened = False
         grads = state.unit.grads
         if not state.reduces_now:

@@ -71,6 +71,9 @@ class ManagedParam:
     full_data: torch.Tensor | None = None  # ``full.data``: writes through it do not bump ``full``'s version
     gathered_version: int = field(default=-1)  # sharded._version when ``full`` was last filled
     full_hooked: bool = False  # ``full`` carries the post-accumulate-grad hook that moves its gradients
+    # A kept-whole parameter's full tensors of other compute dtypes (dtype -> full, full_data, hooked): an eval
+    # forward in full precision between a bf16 forward and its backward must not replace the tensor autograd saved.
+    other_fulls: dict[torch.dtype, tuple[nn.Parameter, torch.Tensor | None, bool]] = field(default_factory=dict)
     group: int | None = None  # index into ``FlatShard.groups`` of a plain sharded parameter
     subclass: SubclassShard | None = None  # a parameter using FSDP2's all-gather hooks (subclass_params.py)
 

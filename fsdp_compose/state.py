@@ -273,14 +273,17 @@ class ShardState:
         return ctx.gather_stream if ctx is not None else None
 
     def start_gather(self, *, async_op: bool) -> None:
-        """Issue this unit's all-gather in its compute dtype, if it needs one."""
+        """Issue this unit's all-gather in its compute dtype, if it needs one (again, when it is gathered in another
+        dtype: an eval forward in full precision kept it)."""
+        dtype = self.compute_dtype(self.modules[0])
+        if self.unit.is_unsharded and self.unit.compute_dtype != dtype:
+            self.unit.reshard()
         if self.unit.needs_gather:
-            self.unit.start_unshard(self.compute_dtype(self.modules[0]), async_op=async_op, stream=self.gather_stream)
+            self.unit.start_unshard(dtype, async_op=async_op, stream=self.gather_stream)
 
     def gather_now(self) -> None:
-        unit = self.unit
-        unit.start_unshard(self.compute_dtype(self.modules[0]), async_op=False, stream=self.gather_stream)
-        unit.finish_unshard()
+        self.start_gather(async_op=False)
+        self.unit.finish_unshard()
 
     # ------------------------------------------------------------------ forward
     @_outside_compile

@@ -476,7 +476,14 @@ class ShardedUnit:
 
     def _ensure_full(self, mp: ManagedParam, dtype: torch.dtype) -> torch.Tensor:
         """A kept-whole parameter's full ``.data`` with storage allocated (created on first use, resized back after)."""
-        if mp.full is None or mp.full.dtype != dtype:
+        if mp.full is not None and mp.full.dtype != dtype:
+            mp.other_fulls[mp.full.dtype] = (mp.full, mp.full_data, mp.full_hooked)
+            cached = mp.other_fulls.pop(dtype, None)
+            if cached is not None:
+                mp.full, mp.full_data, mp.full_hooked = cached
+            else:
+                mp.full = None
+        if mp.full is None:
             if mp.slot is None and dtype == mp.sharded.dtype and not self.devices.offloaded:
                 local = mp.sharded._local_tensor  # whole: the full parameter aliases it, no copy
             else:

@@ -6,7 +6,11 @@ inside and across units, a never-called unit, a branch whose output reaches the 
 root's unit, or a unit of its own with reshard_after_forward=False, the two layouts docs/frozen.md allows —, 0-dim
 parameters, Linear / Conv1d / LayerNorm) and the options (mixed precision, reshard after forward / backward, no-sync
 windows in both accumulation modes, trainability changes, frozen_params, activation checkpointing, prefetch,
-forwards without backward, exceptions and discarded micro-batches, SGD / AdamW, 1, 2 or 4 ranks). Every rank also
+forwards without backward, exceptions and discarded micro-batches, SGD / AdamW, 1, 2 or 4 ranks) and the graph
+shapes of issue 20 (units called twice, tuple / dict / dataclass / namedtuple block outputs, [norm, head] and
+[embed, head] units split between the root's forward and torchtitan's chunked loss, eval forwards between a forward
+and its backward, an exception on one rank in the loss — every rank must get StepAbandoned — or in backward,
+collective checks). Every rank's collectives are recorded per process group and must be equal. Every rank also
 trains an unsharded copy made before sharding on every rank's data (the loss each rank sees, averaged), so the
 sharded parameters (gathered with ``full_tensor``) must match it after each step, the ``.grad`` of the same
 parameters must be set, and the ``requires_grad`` flags read back from the model must be the ones that were set.

@@ -3,18 +3,27 @@
 A configuration is a frozen dataclass (picklable: it is sent to the pool workers; its ``repr`` is valid Python, so a
 failing case can be pasted back). It is drawn by ``draw_config`` through a ``Chooser``: Hypothesis draws it (and
 shrinks it) in the tests, ``random.Random(seed)`` draws it for ``config_from_seed`` (re-runnable by a seed).
-Every decision lives in the configuration, so all ranks build, shard and train identically; the only per-rank
-difference is deliberate: the ``side`` unit's output reaches the loss on even ranks only (``side="even"``).
+Every decision lives in the configuration, so all ranks build, shard and train identically; the per-rank
+differences are deliberate: the ``side`` unit's output reaches the loss on even ranks only (``side="even"``), and a
+fault of kind ``loss_one`` / ``backward_one`` raises on one rank only.
+
+Graph shapes (issue 20): a block unit called twice in one forward (``BlockSpec.calls``), blocks returning a tuple,
+dict, dataclass or namedtuple (``BlockSpec.output``), the head in a unit of its own or grouped with a final norm
+(``head_unit``, ``fully_shard([norm, head])``), a chunked loss that calls the head once per chunk outside the root's
+forward, each chunk with its own backward into a detached leaf, then the body's backward (``loss="chunked"``, as
+torchtitan does: a grouped unit whose members run in different forwards), evaluation forwards between a training
+forward and its backward (``mid_evals``, with ``full_precision_eval``), and collective checks (``collective_checks``).
 
 Only the public API (``fsdp_compose`` as ``fc``) and torch are used here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn as nn
@@ -45,6 +54,8 @@ class BlockSpec:
     #                     its nested sub-block, or its first layer)
     raf: Raf = None  # reshard_after_forward of the block's unit
     inner_raf: Raf = None
+    calls: int = 1  # the block (and its nested sub-block) runs this many times in one forward: a reused unit
+    output: str = "tensor"  # "tensor" | "tuple" | "dict" | "dataclass" | "namedtuple": what the block returns
 
 
 @dataclass(frozen=True)
@@ -82,9 +93,22 @@ class CaseConfig:
     clip: float = 0.0  # > 0: fc.clip_grad_norm_ (reference: torch.nn.utils.clip_grad_norm_) before every step
     trainability: tuple[tuple[int, str, int, bool], ...] = ()  # (step, "param" | "module", index, requires_grad)
     evals: tuple[tuple[int, str], ...] = ()  # (step, "grad" | "no_grad"): a forward without backward before it
-    faults: tuple[tuple[int, str, int], ...] = ()  # (step, "forward" | "backward" | "discard", block index): a
-    #   micro-batch thrown away before the real ones: an exception in a block (caught), or a no-sync backward
-    #   followed by zero_grad
+    faults: tuple[tuple[int, str, int], ...] = ()  # (step, kind, index): a micro-batch thrown away before the real
+    #   ones. "forward" | "backward": an exception in block ``index`` on every rank (caught); "discard": a no-sync
+    #   backward followed by zero_grad; "loss_one": the loss raises on rank ``index % ws`` only, which calls
+    #   fc.reset_step, and every rank must then get fc's StepAbandoned; "backward_one": block ``index`` raises in
+    #   backward on rank ``index % ws`` only, which calls fc.reset_step (the others' backward completes)
+    head_unit: str = "none"  # "none" (the head is in the root's unit) | "head" (a unit of its own) | "norm_head"
+    #                           (a final LayerNorm ``norm`` and the head as one unit: fully_shard([norm, head]))
+    head_raf: Raf = None
+    loss: str = "plain"  # "plain" | "chunked": the head runs per chunk of rows outside the root's forward, each chunk
+    #                       with its own backward into a detached leaf, then the body's backward (torchtitan's loss)
+    chunks: int = 2
+    mid_evals: tuple[tuple[int, str], ...] = ()  # (step, "no_grad" | "grad"): after the step's last training forward,
+    #   before its backward, the model in eval mode runs a forward (no_grad, or with grad and never backwarded); its
+    #   output is compared with an unsharded copy of the current parameters
+    full_precision_eval: bool = False  # fc.set_full_precision_in_eval(model): eval forwards in the parameters' dtype
+    collective_checks: bool = False  # fc.set_collective_checks(model)
     sabotage: str = ""  # harness self-test only, never drawn: "skip_step" = the sharded side skips step 1's update
 
 
@@ -178,7 +202,7 @@ def draw_config(ch: Chooser, ws: int, seed: int) -> CaseConfig:
         pairs = tuple(
             (ch.pick(("f", "b")), ch.int(0, n_units - 1), ch.int(0, n_units - 1)) for _ in range(ch.int(1, 4))
         )
-    return CaseConfig(
+    cfg = CaseConfig(
         ws=ws,
         seed=seed,
         steps=steps,
@@ -210,6 +234,39 @@ def draw_config(ch: Chooser, ws: int, seed: int) -> CaseConfig:
         trainability=tuple(events),
         evals=evals,
         faults=faults,
+    )
+    return _draw_graph_shapes(ch, cfg)
+
+
+def _draw_graph_shapes(ch: Chooser, cfg: CaseConfig) -> CaseConfig:
+    """The graph-shape dimensions (issue 20), drawn after the others so a seed keeps its earlier decisions."""
+    ws, steps = cfg.ws, cfg.steps
+    outputs = [("tensor", 60), ("tuple", 10), ("dict", 10), ("dataclass", 10), ("namedtuple", 10)]
+    blocks = tuple(
+        dataclasses.replace(b, calls=ch.weighted([(1, 70), (2, 30)]), output=ch.weighted(outputs)) for b in cfg.blocks
+    )
+    head_unit = ch.weighted([("none", 40), ("head", 25), ("norm_head", 35)]) if cfg.tie_embed == "none" else "none"
+    chunked = (head_unit != "none" or cfg.tie_embed == "list") and ch.flag(50)
+    faults = cfg.faults
+    one_rank = ch.flag(15)
+    if one_rank:
+        faults = (*faults, (ch.int(0, steps - 1), ch.pick(("loss_one", "backward_one")), ch.int(0, 3)))
+    mid_evals = tuple((s, ch.weighted([("no_grad", 75), ("grad", 25)])) for s in range(steps) if ch.flag(20))
+    side_raf = cfg.side_raf
+    if cfg.side == "even" and ch.flag(40):
+        side_raf = _raf(ch, ws)  # a unit re-gathered for backward although this rank's loss may not reach it
+    return dataclasses.replace(
+        cfg,
+        blocks=blocks,
+        head_unit=head_unit,
+        head_raf=_raf(ch, ws),
+        loss="chunked" if chunked else "plain",
+        chunks=ch.pick((2, 3)),
+        faults=faults,
+        mid_evals=mid_evals,
+        full_precision_eval=cfg.mp != "none" and ch.flag(50),
+        collective_checks=ch.flag(60 if one_rank else 30),
+        side_raf=side_raf,
     )
 
 
@@ -296,6 +353,43 @@ class Inner(nn.Module):
         return h
 
 
+class BlockTuple(NamedTuple):
+    h: torch.Tensor
+    gate: torch.Tensor
+    tag: str
+
+
+@dataclass
+class BlockData:
+    h: torch.Tensor
+    gate: torch.Tensor
+    tag: str = "block"
+
+
+def pack(kind: str, h: torch.Tensor) -> Any:
+    """The block's output as ``kind`` says: ``h`` and a gate computed from it (both need grad), and a non-tensor."""
+    if kind == "tensor":
+        return h
+    gate = torch.tanh(h.mean(dim=-1, keepdim=True))
+    if kind == "tuple":
+        return (h, gate, "block")
+    if kind == "dict":
+        return {"h": h, "gate": gate, "tag": "block"}
+    if kind == "dataclass":
+        return BlockData(h, gate)
+    return BlockTuple(h, gate, "block")
+
+
+def unpack(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, BlockTuple | BlockData):
+        return out.h + 0.1 * out.gate
+    if isinstance(out, dict):
+        return out["h"] + 0.1 * out["gate"]
+    return out[0] + 0.1 * out[1]
+
+
 class Block(nn.Module):
     def __init__(self, spec: BlockSpec, d: int) -> None:
         super().__init__()
@@ -318,7 +412,7 @@ class Block(nn.Module):
             h = checkpoint(self.inner, h, use_reentrant=False) if inside else self.inner(h)
         if self.proj is not None:
             h = h + torch.tanh(self.proj(h))
-        return _RaiseInBackward.apply(h) if self.fault == "backward" else h
+        return pack(self.spec.output, _RaiseInBackward.apply(h) if self.fault == "backward" else h)
 
 
 class Embed(nn.Module):
@@ -332,13 +426,14 @@ class Embed(nn.Module):
 
 
 class Net(nn.Module):
-    """embed -> blocks -> head (+ side) (* temp); the output has the input's shape (batch, SEQ, vocab)."""
+    """embed -> blocks (-> norm) (* temp) -> head (+ side); the output has the input's shape (batch, SEQ, vocab)."""
 
     def __init__(self, cfg: CaseConfig) -> None:
         super().__init__()
         d, v = cfg.dim, cfg.vocab
         self.embed = Embed(v, d)
         self.blocks = nn.ModuleList(Block(b, d) for b in cfg.blocks)
+        self.norm = nn.LayerNorm(d, eps=0.1) if cfg.head_unit == "norm_head" else None
         self.head = nn.Linear(d, v)
         self.head_scale = 1.0
         if cfg.tie_embed != "none":
@@ -348,17 +443,30 @@ class Net(nn.Module):
         self.unused = nn.Linear(d, 3) if cfg.unused_unit else None
         self.temp = nn.Parameter(1.0 + 0.1 * torch.randn(())) if cfg.root_scalar else None
 
-    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+    def body(self, x: torch.Tensor, use_side: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What comes before the head, and the side branch's output where it reaches the loss (else None)."""
         h = self.embed(x)
         for block in self.blocks:
-            h = checkpoint(block, h, use_reentrant=False) if block.spec.ckpt == "around" else block(h)
-        # the head's output goes straight on (no op after it): a variant of this tree hangs with an op after it
-        y = self.head(h * self.head_scale if self.head_scale != 1.0 else h)
-        if self.side is not None:
-            s = self.side(h)  # runs on every rank ...
-            if use_side:  # ... reaches the loss where the configuration says so
-                y = y + s
-        return y * self.temp if self.temp is not None else y
+            for _ in range(block.spec.calls):
+                out = checkpoint(block, h, use_reentrant=False) if block.spec.ckpt == "around" else block(h)
+                h = unpack(out)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.temp is not None:
+            h = h * self.temp
+        s = self.side(h) if self.side is not None else None  # runs on every rank ...
+        return h, s if use_side else None  # ... reaches the loss where the configuration says so
+
+    def apply_head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h * self.head_scale if self.head_scale != 1.0 else h)
+
+    def forward(self, x: torch.Tensor, use_side: bool, heads: bool = True) -> Any:
+        """``heads=False``: the body only, ``(h, side output or None)``, for a loss that runs the head itself."""
+        h, s = self.body(x, use_side)
+        if not heads:
+            return h, s
+        y = self.apply_head(h)
+        return y + s if s is not None else y
 
 
 def side_used(cfg: CaseConfig, rank: int) -> bool:
@@ -385,6 +493,10 @@ def shard_model(model: Net, cfg: CaseConfig, mesh: Any) -> list[nn.Module]:
             units.append((block.inner, spec.inner_raf, policy(block_low, block_low if spec.shard else root_low)))
         if spec.shard:
             units.append((block, spec.raf, policy(block_low, root_low)))
+    if cfg.head_unit == "head":
+        units.append((model.head, cfg.head_raf, policy(root_low, root_low)))
+    elif cfg.head_unit == "norm_head":
+        units.append(([model.norm, model.head], cfg.head_raf, policy(root_low, root_low)))
     if cfg.tie_embed == "list":
         units.append(([model.embed, model.head], cfg.embed_raf, policy(root_low, root_low)))
     elif cfg.embed_unit or cfg.tie_embed == "lift":
@@ -408,6 +520,10 @@ def shard_model(model: Net, cfg: CaseConfig, mesh: Any) -> list[nn.Module]:
                 fc.set_reshard_after_forward(handle, raf, recurse=False)
     if not cfg.reshard_after_backward:
         fc.set_reshard_after_backward(model, False)
+    if cfg.full_precision_eval:
+        fc.set_full_precision_in_eval(model)
+    if cfg.collective_checks:
+        fc.set_collective_checks(model)
     fc.set_gradient_accumulation(model, cfg.accumulation)  # type: ignore[arg-type]
     if cfg.prefetch == "off":
         for handle in handles:

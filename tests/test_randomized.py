@@ -545,10 +545,10 @@ def test_graph_shapes_match_the_reference(run_dist, name: str, ws: int) -> None:
     check_case(run_dist, dataclasses.replace(GRAPH_SHAPES[name], ws=ws))
 
 
-# Failures the sweep found in the engine, kept here until fixed (repros/eval_between_bf16_full_precision.py on the
-# helper-sweep branch has them standalone): an eval forward under fc.set_full_precision_in_eval between a bf16
-# training forward and its backward breaks that backward.
-KNOWN_FAILURES = {
+# Failures the sweep found in the engine, now fixed (regressions): an eval forward under
+# fc.set_full_precision_in_eval between a bf16 training forward and its backward broke that backward (a kept-whole
+# parameter, or a unit kept after forward, was left in the eval's dtype).
+FOUND_BY_THE_SWEEP = {
     # a bf16 unit whose only parameter is 0-dim: its gradient is lost (.grad None; without the checkpoint: SIGSEGV)
     "eval_between_0dim_bf16": CaseConfig(
         ws=2,
@@ -570,12 +570,9 @@ KNOWN_FAILURES = {
 }
 
 
-@pytest.mark.xfail(
-    reason="engine bug found by the sweep (issue 20): fp32 eval forward between bf16 forward and backward", strict=True
-)
-@pytest.mark.parametrize("name", list(KNOWN_FAILURES))
-def test_known_graph_shape_failures(run_dist, name: str) -> None:
-    check_case(run_dist, KNOWN_FAILURES[name])
+@pytest.mark.parametrize("name", list(FOUND_BY_THE_SWEEP))
+def test_graph_shape_failures_the_sweep_found(run_dist, name: str) -> None:
+    check_case(run_dist, FOUND_BY_THE_SWEEP[name])
 
 
 def test_the_harness_compares_collectives_per_group() -> None:

@@ -77,6 +77,17 @@ class ManagedParam:
     group: int | None = None  # index into ``FlatShard.groups`` of a plain sharded parameter
     subclass: SubclassShard | None = None  # a parameter using FSDP2's all-gather hooks (subclass_params.py)
 
+    def use_full_of(self, dtype: torch.dtype) -> None:
+        """Keep the current full tensor (autograd may hold it) under its dtype and take the one of ``dtype``, or none
+        yet (a kept-whole parameter's; a sharded slot's live in its dtype's ``FullBuffer``)."""
+        if self.full is not None and self.full.dtype != dtype:
+            self.other_fulls[self.full.dtype] = (self.full, self.full_data, self.full_hooked)
+            cached = self.other_fulls.pop(dtype, None)
+            if cached is not None:
+                self.full, self.full_data, self.full_hooked = cached
+            else:
+                self.full = None
+
     def register(self, tensor: torch.Tensor) -> None:
         for module, name in self.owners:
             module._parameters[name] = tensor  # type: ignore[assignment]

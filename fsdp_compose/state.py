@@ -273,8 +273,7 @@ class ShardState:
         return ctx.gather_stream if ctx is not None else None
 
     def start_gather(self, *, async_op: bool) -> None:
-        """Issue this unit's all-gather in its compute dtype, if it needs one (again, when it is gathered in another
-        dtype: an eval forward in full precision kept it)."""
+        """Issue this unit's all-gather in its compute dtype if it needs one (or is gathered in another dtype)."""
         dtype = self.compute_dtype(self.modules[0])
         if self.unit.is_unsharded and self.unit.compute_dtype != dtype:
             self.unit.reshard()

@@ -457,11 +457,8 @@ class ShardedUnit:
         for mp in members:
             assert mp.slot is not None
             current = None if fresh else mp.full
-            if current is not None and current.dtype != dtype:
-                # Another dtype's full parameter: keep it with its buffer (autograd may hold it), take this dtype's.
-                other = self._fulls.get((group, current.dtype))
-                if other is not None:
-                    other.params[id(mp)] = (current, mp.full_data, mp.full_hooked)
+            if current is not None and current.dtype != dtype:  # keep it with its buffer (autograd may hold it)
+                self._fulls[(group, current.dtype)].params[id(mp)] = (current, mp.full_data, mp.full_hooked)
                 current = None
             cached = full.params.get(id(mp))
             if current is None and cached is not None and mp.full is not None:
@@ -476,13 +473,7 @@ class ShardedUnit:
 
     def _ensure_full(self, mp: ManagedParam, dtype: torch.dtype) -> torch.Tensor:
         """A kept-whole parameter's full ``.data`` with storage allocated (created on first use, resized back after)."""
-        if mp.full is not None and mp.full.dtype != dtype:
-            mp.other_fulls[mp.full.dtype] = (mp.full, mp.full_data, mp.full_hooked)
-            cached = mp.other_fulls.pop(dtype, None)
-            if cached is not None:
-                mp.full, mp.full_data, mp.full_hooked = cached
-            else:
-                mp.full = None
+        mp.use_full_of(dtype)
         if mp.full is None:
             if mp.slot is None and dtype == mp.sharded.dtype and not self.devices.offloaded:
                 local = mp.sharded._local_tensor  # whole: the full parameter aliases it, no copy

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 import fsdp_compose as fc
 from fsdp_compose.meshes import REDUCE_SCATTER_GROUP_DESC
 from fsdp_compose.recorder import CollectiveRecord, CollectiveRecorder
+from fsdp_compose.state import states_under
 
 from .live_bytes import DEFAULT_LABEL, LiveBytesCounter, live_storage_keys, storages_of, tensors_since
 from .models import ModelSpec, load_model_spec
@@ -480,7 +481,14 @@ def measure_step(
         counter.label([setup.inputs, setup.targets], BATCH)
         watcher.label_known(counter)
         step = _Step(setup, counter)
-        recorder = CollectiveRecorder(group_labels=mesh.group_labels, observer=step.on_collective)
+        # reshard_after_forward=k gathers within groups cut at fully_shard: named by what they are, not by the
+        # creation-order number torch gives them (which differs between a simulated and a real run)
+        labels = dict(mesh.group_labels)
+        for state in states_under(model):
+            group = state.unit.post_forward
+            if group is not None:
+                labels[group.group.group_name] = f"post_forward({group.size})"
+        recorder = CollectiveRecorder(group_labels=labels, observer=step.on_collective)
         counter.on_new_peak = watcher.label_grads
         misses = _sharding_cache_misses()
         with counter, recorder:

@@ -192,6 +192,7 @@ class ShardState:
 
     def reset_forward(self) -> None:
         self.active = 0  # calls of this unit's modules inside their forward right now
+        self.entered = False  # gathered for forward in this root forward (or entered: see StepContext.reset)
         self.opened = False  # gathered for forward; closes when every module ran (or at the root's end of forward)
         self.opening_needs_backward = False  # some call of the current opening returned outputs that need grad
         self.pending_modules: set[int] = set()  # list form: modules not yet run in the current opening
@@ -335,6 +336,7 @@ class ShardState:
         unit.start_unshard(compute_dtype, async_op=False, stream=self.gather_stream)
         unit.finish_unshard()
         self.opened = True
+        self.entered = True
         self.opening_needs_backward = False
         self.pending_modules = {id(m) for m in self.modules}
         ctx = self.root_ctx
@@ -370,12 +372,14 @@ class ShardState:
             return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
         calls = self.calls.get(id(module))
         if not calls or self.active == 0:
+            if self.ctx is not None and output is None and self.active == 0:
+                self.ctx.end_forward(raised=True)  # the root's forward raised before any unit call ended
             return output  # its pre-forward did not run (e.g. it raised before)
         entry = calls.pop()
         self.active -= 1
         found = tensors_in(output) if torch.is_grad_enabled() else []
         if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in found):
-            return self._hook_transformed_outputs(found, entry, output)
+            return _hook_transformed_outputs(self, found, entry, output)
         needing = _unique(t for t in found if t.requires_grad)
         if needing:
             hooked = _PreBackward.apply(self, *needing)
@@ -387,28 +391,8 @@ class ShardState:
         if self.active == 0 and not self.pending_modules:
             self.close_forward()
         if self.ctx is not None and self.active == 0:
-            self.ctx.end_forward()
+            self.ctx.end_forward(raised=output is None)
         return output
-
-    def _hook_transformed_outputs(self, found: list[torch.Tensor], entry: _Entry, output: Any) -> Any:
-        """Outputs under a ``torch.func`` transform (``jvp``): an autograd Function cannot wrap them, so the plain
-        tensors under them (primal and tangent, whose backward both read the unit's parameters) get tensor hooks,
-        and the call counts as run by every backward until one runs (its reach cannot be asked)."""
-        plain = _unique(p for t in found for p in _autograd_tensors(t) if p.requires_grad)
-        if plain:
-            entry.always = True
-            for tensor in plain:
-                tensor.register_hook(self._pre_backward_hook)
-            self.entries.append(entry)
-            self.opening_needs_backward = True
-        if self.active == 0 and not self.pending_modules:
-            self.close_forward()
-        if self.ctx is not None and self.active == 0:
-            self.ctx.end_forward()
-        return output
-
-    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
-        self.pre_backward()
 
     def close_forward(self) -> None:
         """The current opening ends: reshard per ``reshard_after_forward`` (always when no output needs grad)."""
@@ -464,6 +448,24 @@ class ShardState:
         new.kept_unsharded = False
         new.reset_step()
         return new
+
+
+def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entry: _Entry, output: Any) -> Any:
+    """Outputs under a ``torch.func`` transform (``jvp``): an autograd Function cannot wrap them, so the plain
+    tensors under them (primal and tangent, whose backward both read the unit's parameters) get tensor hooks,
+    and the call counts as run by every backward until one runs (its reach cannot be asked)."""
+    plain = _unique(p for t in found for p in _autograd_tensors(t) if p.requires_grad)
+    if plain:
+        entry.always = True
+        for tensor in plain:
+            tensor.register_hook(lambda grad: state.pre_backward())
+        state.entries.append(entry)
+        state.opening_needs_backward = True
+    if state.active == 0 and not state.pending_modules:
+        state.close_forward()
+    if state.ctx is not None and state.active == 0:
+        state.ctx.end_forward()
+    return output
 
 
 def cast_inputs(

@@ -64,6 +64,7 @@ class StepContext:
         self.phase = StepPhase.IDLE
         self.backward: BackwardWalk | None = None
         self.calls_seen = 0  # forward calls of units so far (their order: see _wait_after)
+        self.forward_raised = False  # the last root forward raised: its remaining all-gathers were never issued
         # The last backward left no-sync gradients in accumulation buffers (decided from settings, so it is the same
         # on every rank), and the backward that reduces them "drains" the window (see begin_backward).
         self.gradients_held = False
@@ -109,6 +110,7 @@ class StepContext:
         for state in self.states:
             state.entries = [entry for entry in state.entries if entry.alive()]  # graphs nobody will run are gone
         continuing = self.phase is StepPhase.AWAITING_BACKWARD and any(state.entries for state in self.states)
+        self.forward_raised = False
         for state in self.states:
             unit = state.unit
             unit.grads.drop_if_user_zeroed()
@@ -137,11 +139,12 @@ class StepContext:
             return value.to(self.root.device)
         return value
 
-    def end_forward(self) -> None:
-        """The root's forward returned: close units still open (a group only partly run, or run outside the root's
-        forward), then wait for a backward if any output needs one."""
+    def end_forward(self, *, raised: bool = False) -> None:
+        """The root's forward returned (or ``raised``): close units still open (a group only partly run, or run
+        outside the root's forward), then wait for a backward if any output needs one."""
         if self.phase is not StepPhase.FORWARD:
             return
+        self.forward_raised = raised
         for state in self.states:
             if state.active == 0:
                 state.close_forward()
@@ -290,6 +293,13 @@ class StepContext:
         """
         quitting: list[int] = []
         everyone = True
+        if self.forward_raised and self.backward is None:
+            # This rank's forward stopped at an exception; the others (if it raised here only) go on through theirs:
+            # issue the forward all-gathers they issue after that point, in registration order, each freed again.
+            for state in self.states:
+                if not state.entered and state.unit.needs_gather and not state.unit.explicit:
+                    state.gather_now()
+            self.forward_raised = False
         if self.backward is None:
             # Every rank calls reset_step at the same point, or this rank alone while the others run the backward
             # of the step it abandons: either way they meet in the backward's agreement.

@@ -47,6 +47,21 @@ class PipelineStage(_TorchPipelineStage):
     def _uses_fsdp_compose(self) -> bool:
         return bool(states_under(self.submod))
 
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
+    ) -> Any:
+        # A unit still gathered from an earlier micro-batch's forward whose backward has not run yet (the stage's
+        # root, kept by reshard_after_forward=False) stays gathered for this forward, as FSDP2 keeps it: a new root
+        # forward would otherwise free it and gather it again. Every dp rank of the stage ran the same micro-batches.
+        for state in states_under(self.submod):
+            if state.entries and state.unit.is_unsharded:
+                state.kept_unsharded = True
+        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
     ) -> None:

@@ -114,12 +114,10 @@ class StepContext:
         for state in self.states:
             unit = state.unit
             unit.grads.drop_if_user_zeroed()
-            # A unit gathered for a forward whose backward has not run yet stays gathered for this one (pipelined
-            # micro-batches, FSDP2 does the same); anything else left gathered is freed.
-            awaited = continuing and bool(state.entries) and unit.is_unsharded
-            if not awaited and not unit.explicit and not state.kept_unsharded and unit.state is not UnitState.SHARDED:
-                # A prefetch nobody used, parameters kept after a forward, or a group block left from one: free them
-                # (the next gather sees any update made since, also through ``.data``).
+            # Anything left gathered is freed (a prefetch nobody used, parameters kept after a forward, a group
+            # block): the same on every rank, whatever its garbage collector did with old graphs. Kept only by
+            # policy (kept_unsharded) or by fc.unshard (explicit).
+            if not unit.explicit and not state.kept_unsharded and unit.state is not UnitState.SHARDED:
                 unit.reshard()
             unit.adopt_if_changed()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
             if continuing:

@@ -276,8 +276,8 @@ class ShardState:
     def start_gather(self, *, async_op: bool) -> None:
         """Issue this unit's all-gather in its compute dtype if it needs one (or is gathered in another dtype)."""
         dtype = self.compute_dtype(self.modules[0])
-        if self.unit.is_unsharded and self.unit.compute_dtype != dtype:
-            self.unit.reshard()
+        if self.unit.state in (UnitState.UNSHARDED, UnitState.GATHERING) and self.unit.compute_dtype != dtype:
+            self.unit.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
         if self.unit.needs_gather:
             self.unit.start_unshard(dtype, async_op=async_op, stream=self.gather_stream)
 

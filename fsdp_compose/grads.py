@@ -584,7 +584,13 @@ class UnitGradients:
 
     def discard(self) -> None:
         """Drop everything held or in flight (a failed step, a user's zero_grad). Waits for a running collective:
-        every rank issued it, so every rank must complete it. Rows already reduced are handed out (they are final)."""
+        every rank issued it, so every rank must complete it. Rows already reduced are handed out (they are final),
+        except in a failed step (``dropping``): rows of it still waiting for their copy are its partial gradients."""
+        if self.dropping:
+            for delivery in self.deliveries:
+                if delivery.ready is not None:
+                    delivery.ready.synchronize()
+            self.deliveries = []
         self.settle()
         flight = self.flight
         if flight is not None:

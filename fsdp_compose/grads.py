@@ -381,13 +381,6 @@ class UnitGradients:
             flight.work = None
             flight.buffer = None  # the reduce-scatter input is free now
 
-    def reduce_scatter_done(self) -> bool:
-        """The reduce-scatter in flight has completed (or none is in flight): a check, never a wait."""
-        flight = self.flight
-        if self.state is not GradState.REDUCE_SCATTERING or flight is None or flight.work is None:
-            return True
-        return bool(flight.work.is_completed())
-
     def advance(self, *, only_if_done: bool = False) -> None:
         """The reduce-scatter completes (its input buffer is freed); HSDP starts the asynchronous all-reduce over
         replicas, which overlaps the rest of backward. Without replicas the gradients are handed out right away.

@@ -126,7 +126,7 @@ class UnitGradients:
         self.zero_unused = False
         self.accumulating = False  # set by the state each forward: a no-sync micro-batch (gradients kept here)
         # A failed step completes its collectives (every rank must) but hands nothing out: set by
-        # ``StepContext.abort_backward``, cleared by ``discard``.
+        # ``StepContext.abandon``, cleared by ``discard``.
         self.dropping = False
         # (id of .grad, its version) per parameter when held gradients were last left between steps: a user's
         # zero_grad changes them, which tells that the held gradients must be dropped too.

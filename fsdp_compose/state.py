@@ -1,29 +1,28 @@
-"""Per-call settings and the hooks that drive one training step (the step's own state is step.py).
+"""Per-call settings and the hooks that drive one training step (the step itself is step.py and backward.py).
 
 ``fully_shard`` attaches one ``ShardState`` to the module instance (an attribute; no class swap, no registry) and
-registers bound methods of it as module hooks. One step, top to bottom::
+registers bound methods of it as module hooks. The hooks decide no collective: they tell the root's step (through
+``autograd_hooks.StepOwner``) what happened, and it walks the declared schedule (docs/schedule.md)::
 
-    root pre-forward        lazy init on the first call (find the root, check every unit, build the StepContext);
-                            then StepContext.begin_step: clean up the last step, refresh trainability, move inputs
-    unit pre-forward        all-gather (or take the prefetched / explicitly unsharded one); prefetch the next
-                            unit; cast inputs; wrap them in _PostBackward so backward can tell when their
-                            gradients exist
+    root pre-forward        lazy init on the first call (find the root, check every unit, make the StepContext);
+                            then StepContext.begin_forward: finish the last step, refresh trainability, move inputs
+    unit pre-forward        _open: gather unless gathered, prefetch the next unit in registration order; cast
+                            inputs; wrap them in _PostBackward (its backward: this call's input gradients exist)
     user forward            runs unchanged on full parameters
-    unit post-forward       cast outputs; reshard (per reshard_after_forward; always when no output needs grad);
-                            hook the outputs (runs even when forward raised: registered with always_call)
+    unit post-forward       cast outputs; outputs that need grad go through _PreBackward (one _Entry per call);
+                            close_forward once every module ran (reshard per reshard_after_forward)
     ---- loss.backward() ----
-    output hook (pre-bw)    StepContext.gather_for_backward: all-gathers in the fixed backward order up to this
-                            unit, prefetch; the first one queues the final callback
+    _PreBackward.backward   pre_backward: the first one agrees the backward's participants across ranks; then the
+                            gather cursor issues the all-gathers up to this unit
     user backward           autograd fills the full parameters' .grad (moved into the buffer as they come when
                             accumulating)
-    _PostBackward.backward  the unit's input gradients exist: reshard, stage its gradients in the reduce-scatter
-                            layout, issue reduce-scatters in the fixed order (async, one in flight)
-    final callback          units whose post-backward never fired stage (zeros) and reduce at their turn; wait
-                            for every reduction; reshard; reset
+    _PostBackward.backward  post_backward: once every call of the unit this backward runs is done, the unit is
+                            resharded, its gradients staged, and the reduce cursor issues the reductions due
+    final callback          the rest of the agreed order; wait; deliver; reshard
 
-Each unit's phase in the step (``UnitPhase``) moves IDLE -> FORWARD -> AWAITING_BACKWARD -> BACKWARD -> IDLE;
-a forward during BACKWARD is an activation-checkpoint recompute. Hooks are kept out of ``torch.compile``'s traced
-regions (``torch.compiler.disable``): they issue collectives and swap parameters, which a graph cannot hold.
+A unit may be entered any number of times, wholly or one module at a time; a forward while autograd runs a backward
+is an activation-checkpoint recompute. Hooks are kept out of ``torch.compile``'s traced regions
+(``torch.compiler.disable``): they issue collectives and swap parameters, which a graph cannot hold.
 """
 
 from __future__ import annotations

@@ -58,10 +58,6 @@ class BackwardWalk:
     def takes_part(self, state: ShardState) -> bool:
         return any(s is state for s in self.gather_order)
 
-    @property
-    def gathers_left(self) -> bool:
-        return self.gather_cursor < len(self.gather_order)
-
     def gather_for_backward(self, state: ShardState) -> None:
         """``state`` needs its parameters for backward: issue the backward all-gathers up to it in the agreed order.
 
@@ -77,10 +73,7 @@ class BackwardWalk:
                 raise RuntimeError(f"internal error in fsdp_compose: {self.where(state)} gathered after its backward")
             state.gather_now()  # run by this backward although no entry said so (a forward inside backward)
             return
-        while self.gather_cursor <= target:
-            passed = self.gather_order[self.gather_cursor]
-            self.gather_cursor += 1
-            self._issue_backward_gather(passed, now=passed is state)
+        self._advance_gathers(target, needed=state)
         if id(state) not in self.done:
             state.gather_now()
 
@@ -120,8 +113,9 @@ class BackwardWalk:
     def _finish_unit(self, state: ShardState) -> None:
         """The unit's backward is done here: free its full parameters, then stage (or accumulate) its gradients."""
         self.done.add(id(state))
-        if id(state) not in self.gathered:
-            self._pass_gathers_up_to(state)  # peers gather it: so does this rank, before its reduction
+        target = self.position(state)
+        if id(state) not in self.gathered and target is not None:
+            self._advance_gathers(target)  # peers gather it: so does this rank, before its reduction
         if state.reshard_after_backward and state.unit.state is not UnitState.GATHERING:
             # Free the full parameters first: the gradients live apart from them (in ``.grad`` or the buffer). The
             # same decision on every rank, whether its backward ran the unit or not (the next forward gathers what
@@ -135,14 +129,13 @@ class BackwardWalk:
         elif grads.trainable:
             grads.stage()
 
-    def _pass_gathers_up_to(self, state: ShardState) -> None:
-        target = self.position(state)
-        if target is None:
-            return
+    def _advance_gathers(self, target: int, needed: ShardState | None = None) -> None:
+        """Move the gather cursor past position ``target``, issuing every backward all-gather on the way (``needed``
+        synchronously: it is wanted now)."""
         while self.gather_cursor <= target:
             passed = self.gather_order[self.gather_cursor]
             self.gather_cursor += 1
-            self._issue_backward_gather(passed, now=False)
+            self._issue_backward_gather(passed, now=passed is needed)
 
     # ------------------------------------------------------------------ reductions
     def issue_reductions(self, *, final: bool = False) -> None:
@@ -201,10 +194,7 @@ class BackwardWalk:
         backward all-gather the cursor has not passed (units this rank never needed; each freed once done), every
         unit not finished yet (its post-backward never came here), every reduction left, then the waits.
         """
-        while self.gathers_left:
-            passed = self.gather_order[self.gather_cursor]
-            self.gather_cursor += 1
-            self._issue_backward_gather(passed, now=False)
+        self._advance_gathers(len(self.gather_order) - 1)
         for state in self.reduce_order:
             if id(state) not in self.done:
                 self._finish_unit(state)

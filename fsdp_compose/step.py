@@ -155,7 +155,9 @@ class StepContext:
         callback."""
         if self.backward is not None:
             return
-        reached = [any(entry.runs_in_this_backward(running) for entry in state.entries) for state in self.states]
+        # The calls of each unit this backward runs here (autograd is asked once per call).
+        running_calls = {id(s): [e for e in s.entries if e.runs_in_this_backward(running)] for s in self.states}
+        reached = [bool(running_calls[id(state)]) for state in self.states]
         checks = any(state.collective_checks for state in self.states)
         try:
             participants, quitting = agree_on_backward(self.schedule, reached, abandoning=False, checks=checks)
@@ -175,8 +177,8 @@ class StepContext:
         # backward's end is not observable): such a unit finishes in the final callback.
         awaiting: dict[int, int] = {}
         for state in self.states:
-            if id(state) in here:
-                calls = [e for e in state.entries if e.runs_in_this_backward(running)]
+            calls = running_calls[id(state)]
+            if calls:
                 observable = all(e.post_backward_runs() for e in calls)
                 awaiting[id(state)] = len(calls) if observable else -1
         gather_order = [s for s in self.schedule.gather_order if id(s) in takes_part]
@@ -186,7 +188,7 @@ class StepContext:
             reduce_order=[s for s in self.schedule.reduce_order if id(s) in takes_part],
             reached_here=here,
             awaiting=awaiting,
-            consumed={id(e) for s in self.states for e in s.entries if e.runs_in_this_backward(running)},
+            consumed={id(e) for calls in running_calls.values() for e in calls},
             draining=self.draining,
             max_reduce_inputs=self.root.max_reduce_inputs,
             device=self.root.device,

@@ -310,7 +310,14 @@ def test_registered_forward_method_trains(run_dist, ws: int) -> None:
     assert max(run_dist(ws, _forward_method)) <= 1e-5
 
 
-def _loss_raises_on_rank0(rank: int, ws: int) -> dict[str, Any]:
+class _RankFailed(RuntimeError):
+    pass
+
+
+def _fails_on_rank0(rank: int, ws: int, where: str) -> dict[str, Any]:
+    """Step 1 raises on rank 0 only, in its loss or inside the first block's forward; rank 0 calls fc.reset_step
+    (after a forward that raised, it first issues the forward all-gathers the others issue after that point), which
+    meets the others' backward in its agreement: every rank raises StepAbandoned, skips the step, and trains on."""
     torch.manual_seed(0)
     reference = _Body()
     model = copy.deepcopy(reference)
@@ -319,23 +326,32 @@ def _loss_raises_on_rank0(rank: int, ws: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     errors = []
+
+    def fail(*unused: Any) -> None:
+        raise _RankFailed("failed on this rank")
+
     for step in range(3):
         x = torch.randn(2 * ws, DIM, generator=torch.Generator().manual_seed(step))
         opt.zero_grad()
+        failing = step == 1 and rank == 0
+        hook = model.blocks[0].register_forward_hook(fail) if failing and where == "forward" else None
         try:
             out = model(local_batch(x, rank, ws))
-            if step == 1 and rank == 0:
-                raise ValueError("the loss failed on this rank")
+            if failing and where == "loss":
+                fail()
             out.pow(2).mean().backward()
-        except ValueError:
+        except _RankFailed:
             try:
                 fc.reset_step(model)
             except RuntimeError as error:
                 errors.append(str(error))
         except RuntimeError as error:
             errors.append(str(error))
-        if errors and step == 1:
-            fc.reset_step(model)  # every rank: the step is skipped
+        finally:
+            if hook is not None:
+                hook.remove()
+        if step == 1:
+            fc.reset_step(model)  # every rank skips the step
             continue
         ref_opt.zero_grad()
         (sum(reference(xr).pow(2).mean() for xr in x.chunk(ws)) / ws).backward()
@@ -345,8 +361,9 @@ def _loss_raises_on_rank0(rank: int, ws: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("ws", [2, 4])
-def test_loss_raising_on_one_rank_gives_every_rank_the_same_error(run_dist, ws: int) -> None:
-    results = run_dist(ws, _loss_raises_on_rank0)
+@pytest.mark.parametrize("where", ["loss", "forward"])
+def test_one_rank_failing_gives_every_rank_the_same_error(run_dist, where: str, ws: int) -> None:
+    results = run_dist(ws, _fails_on_rank0, where)
     for result in results:
         assert len(result["errors"]) == 1, result["errors"]
         assert "abandoned" in result["errors"][0]
@@ -417,58 +434,3 @@ def _kept_branch_accumulation(rank: int, ws: int) -> float:
 @pytest.mark.parametrize("ws", [2, 4])
 def test_kept_branch_some_ranks_skip_through_accumulation(run_dist, ws: int) -> None:
     assert max(run_dist(ws, _kept_branch_accumulation)) <= 1e-5
-
-
-class _ForwardFailed(RuntimeError):
-    pass
-
-
-def _forward_raises_on_rank0(rank: int, ws: int) -> dict[str, Any]:
-    """Rank 0's forward raises inside the first block at step 1; it calls fc.reset_step, which issues the forward
-    all-gathers the others issue after that point, then meets their backward: every rank raises StepAbandoned."""
-    torch.manual_seed(0)
-    reference = _Body()
-    model = copy.deepcopy(reference)
-    _shard_body(model, ws)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    errors = []
-
-    def fail(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        raise _ForwardFailed("forward failed on this rank")
-
-    for step in range(3):
-        x = torch.randn(2 * ws, DIM, generator=torch.Generator().manual_seed(step))
-        opt.zero_grad()
-        hook = None
-        if step == 1 and rank == 0:
-            hook = model.blocks[0].register_forward_hook(fail)
-        try:
-            model(local_batch(x, rank, ws)).pow(2).mean().backward()
-        except _ForwardFailed:
-            try:
-                fc.reset_step(model)
-            except RuntimeError as error:
-                errors.append(str(error))
-        except RuntimeError as error:
-            errors.append(str(error))
-        finally:
-            if hook is not None:
-                hook.remove()
-        if step == 1:
-            fc.reset_step(model)  # every rank skips the step
-            continue
-        ref_opt.zero_grad()
-        (sum(reference(xr).pow(2).mean() for xr in x.chunk(ws)) / ws).backward()
-        ref_opt.step()
-        opt.step()
-    return {"errors": errors, "diff": max_param_diff(model, reference)}
-
-
-@pytest.mark.parametrize("ws", [2, 4])
-def test_forward_raising_on_one_rank_gives_every_rank_the_same_error(run_dist, ws: int) -> None:
-    results = run_dist(ws, _forward_raises_on_rank0)
-    for result in results:
-        assert len(result["errors"]) == 1, result["errors"]
-        assert "abandoned" in result["errors"][0]
-        assert result["diff"] <= 1e-5

@@ -17,10 +17,14 @@ reduce-scatter bytes. The pipeline's states (``GradState``) and what moves it::
 
 A transition not in ``_ALLOWED`` raises: "which reduction is running" is a named state, not a combination of fields.
 
-The tail of the buffer is written by every rank into every segment: one "had a gradient" count per trainable
-parameter and the gradients of 0-dim parameters. After the reduce-scatter every rank therefore knows which parameters
-got a gradient on any rank (a parameter unused everywhere keeps ``.grad = None``, as in single-process training) and
-holds the summed 0-dim gradients, with no second collective.
+The tail of the buffer is written by every rank into every segment: the gradients of 0-dim parameters and, only
+where the backward's agreement could not tell, one "had a gradient" count per trainable parameter. A parameter no rank
+had a gradient for keeps ``.grad = None``, as in single-process training. Which parameters get one is usually known
+before any gradient exists: at its start each backward's agreement (``schedule.agree_on_backward``) carries, per
+parameter, whether autograd will accumulate into it on this rank; when every trainable parameter of a unit gets one
+on some rank (``flags_needed`` is False), its buffer has no flag columns and the reduce-scatter moves exactly the
+gradient bytes torch's ``fully_shard`` moves. Otherwise (a branch no rank ran, a reentrant activation-checkpoint
+recompute autograd cannot see ahead, a reduction outside a backward) the counts ride in the same collective.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class _InFlight:
     output: torch.Tensor
     buffer: torch.Tensor | None  # the reduce-scatter input, kept alive until the reduce-scatter completes
     missing_locally: bool
+    flagged: bool  # the rows carry "had a gradient" counts after the segment
     synchronising: bool  # the gradients are final after this reduction (user hooks fire)
 
 
@@ -99,6 +104,7 @@ class _Delivery:
     flags: torch.Tensor | None
     ready: torch.Event | None
     synchronising: bool
+    flagged: bool
 
 
 class UnitGradients:
@@ -116,6 +122,15 @@ class UnitGradients:
         # gradient buffer (the one being filled) is alive at a time.
         self.make_room: Callable[[], None] | None = None
         self.locally_seen: set[int] = set()  # parameters with a gradient on this rank since the last reduce
+        # Whether a new buffer needs "had a gradient" columns: set per backward from its agreement (False when every
+        # trainable parameter gets a gradient on some rank), True outside a backward. ``flagged``: the layout of
+        # what is held now (a buffer, HSDP partial sums), kept for the rest of an accumulation window.
+        self.flags_needed = True
+        self.flagged = True
+        # id(full parameter) -> the autograd node that accumulates into it, noted when the unit is gathered for
+        # forward (``note_accumulators``: making the node takes a view, which needs the storage). Held, so every
+        # graph uses the same node and a backward can ask autograd ahead whether it will run (``expects_gradient``).
+        self.accumulators: dict[int, torch.autograd.graph.Node] = {}
         self.written: set[int] = set()  # parameters whose region in ``buffer`` holds a gradient already
         self.divide_factor: float | None = None  # fc.set_gradient_divide_factor (None: the data-parallel size)
         # FSDP2's set_all_reduce_hook: called on this rank's reduced rows before they become ``.grad`` (and the stream
@@ -147,6 +162,7 @@ class UnitGradients:
                 "(or zero_grad and start over) before freezing or unfreezing parameters"
             )
         self.trainable = [mp for mp in params if mp.trainable]
+        self.accumulators = {}  # full parameters may be new objects after a change of layout
         sharded = [mp for mp in self.trainable if mp.slot is not None]
         world_size = self.spec.dp.shard_size
         self.layout = FlatLayout.build(
@@ -155,8 +171,8 @@ class UnitGradients:
         self.slot = {id(mp): i for i, mp in enumerate(sharded)}  # sharded trainable parameter -> layout slot
         self.scalar = {id(mp): i for i, mp in enumerate(mp for mp in self.trainable if mp.slot is None)}
         self.column = {id(mp): i for i, mp in enumerate(self.trainable)}  # its "had a gradient" flag column
-        # Where each trainable parameter's rows are in the reduce-scatter output (size, stride, element offset).
-        self._rows_at = {id(mp): self._rows_view(mp) for mp in self.trainable}
+        # Where each sharded trainable parameter's rows are in the reduce-scatter output (size, stride, offset).
+        self._rows_at = {id(mp): self._rows_view(mp) for mp in self.trainable if id(mp) not in self.scalar}
         # Padding positions of the reduce-scatter input: (rank, start, stop). Zeroed in every new buffer so the
         # collective never reads uninitialised memory (NaN under deterministic mode, trips NCCL's NaN check).
         self.padding = [
@@ -167,8 +183,6 @@ class UnitGradients:
         ]
 
     def _rows_view(self, mp: ManagedParam) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        if id(mp) in self.scalar:
-            return (), (), self.layout.segment_numel + len(self.trainable) + self.scalar[id(mp)]
         slot = self.layout.slots[self.slot[id(mp)]]
         size = tuple(slot.chunk_shape(chunk_rows(slot.dim_size, self.spec.dp.shard_size)[self.spec.dp.shard_rank]))
         strides = [1] * len(size)
@@ -176,17 +190,26 @@ class UnitGradients:
             strides[dim] = strides[dim + 1] * size[dim + 1]
         return size, tuple(strides), slot.offset
 
-    @property
-    def tail(self) -> int:
-        return len(self.trainable) + len(self.scalar)
+    def tail(self, flagged: bool) -> int:
+        """Columns after the segment: the flag counts (when ``flagged``), then the 0-dim gradients."""
+        return (len(self.trainable) if flagged else 0) + len(self.scalar)
 
     def has_pending(self) -> bool:
         return self.state is not GradState.IDLE or self.replica_partial is not None
 
+    def _choose_layout(self) -> None:
+        """A new buffer starts a window unless HSDP partial sums are held: those fix the layout until delivered."""
+        if self.replica_partial is None:
+            self.flagged = self.flags_needed and not self.zero_unused
+
     def _new_buffer(self) -> torch.Tensor:
         spec = self.spec
+        self._choose_layout()
         buffer = torch.empty(
-            spec.dp.shard_size, self.layout.segment_numel + self.tail, dtype=spec.reduce_dtype, device=spec.device
+            spec.dp.shard_size,
+            self.layout.segment_numel + self.tail(self.flagged),
+            dtype=spec.reduce_dtype,
+            device=spec.device,
         )
         for rank, start, stop in self.padding:
             buffer[rank, start:stop].zero_()
@@ -195,9 +218,9 @@ class UnitGradients:
     def _pre_divisor(self) -> float:
         return divide_factors(self.spec.dp.size, self.divide_factor, self.spec.reduce_dtype)[0]
 
-    def _scalar_column(self, mp: ManagedParam) -> int:
-        """Tail column of a 0-dim parameter's gradient (after the segment and the flag columns)."""
-        return self.layout.segment_numel + len(self.trainable) + self.scalar[id(mp)]
+    def _scalar_column(self, mp: ManagedParam, flagged: bool) -> int:
+        """Tail column of a 0-dim parameter's gradient (after the segment and the flag columns, if any)."""
+        return self.layout.segment_numel + self.tail(flagged) - len(self.scalar) + self.scalar[id(mp)]
 
     # ------------------------------------------------------------------ filling the buffer
     def capture(self, mp: ManagedParam) -> None:
@@ -219,6 +242,27 @@ class UnitGradients:
             return
         self._write_one(mp, grad, self._pre_divisor())
 
+    def note_accumulators(self) -> None:
+        """Called with the full parameters gathered (a view of each makes its accumulating node)."""
+        for mp in self.trainable:
+            full = mp.full
+            if full is not None and full.requires_grad and id(full) not in self.accumulators:
+                with torch.enable_grad():
+                    view = full.view_as(full)
+                node = view.grad_fn.next_functions[0][0] if view.grad_fn is not None else None
+                if node is not None:  # None under inference mode or a torch.func transform: noted next time
+                    self.accumulators[id(full)] = node
+
+    def expects_gradient(self, mp: ManagedParam) -> bool:
+        """Will ``mp`` have a gradient here when the backward now starting reduces it? Yes if it got one earlier in
+        the accumulation window or if autograd will run the node accumulating into its full parameter (in a backward
+        only). Not knowing is safe: a False only costs "had a gradient" flags."""
+        if id(mp) in self.locally_seen:
+            return True
+        full = mp.full
+        node = self.accumulators.get(id(full)) if full is not None else None
+        return node is not None and bool(torch._C._will_engine_execute_node(node))
+
     def _buffer_for_writing(self) -> torch.Tensor:
         if self.buffer is None:
             if self.make_room is not None:
@@ -233,14 +277,15 @@ class UnitGradients:
         fresh = id(mp) not in self.written
         segment = self.layout.segment_numel
         if id(mp) in self.scalar:
-            column = buffer[:, self._scalar_column(mp)]
+            column = buffer[:, self._scalar_column(mp, self.flagged)]
             source = grad.reshape(1).expand(self.spec.dp.shard_size)
             column.copy_(source).div_(pre) if fresh else column.add_(source, alpha=1.0 / pre)
         else:
             slot = self.layout.slots[self.slot[id(mp)]]
             write_grad_into_segments(grad, buffer, slot, accumulate=not fresh, scale=pre)
-        flag = buffer[:, segment + self.column[id(mp)]]
-        flag.fill_(1.0) if fresh else flag.add_(1.0)
+        if self.flagged:
+            flag = buffer[:, segment + self.column[id(mp)]]
+            flag.fill_(1.0) if fresh else flag.add_(1.0)
         self.written.add(id(mp))
         self.locally_seen.add(id(mp))
         assert mp.full is not None
@@ -261,11 +306,12 @@ class UnitGradients:
             if id(mp) in self.written:
                 continue
             if id(mp) in self.scalar:
-                buffer[:, self._scalar_column(mp)].zero_()
+                buffer[:, self._scalar_column(mp, self.flagged)].zero_()
             else:
                 slot = self.layout.slots[self.slot[id(mp)]]
                 buffer[:, slot.offset : slot.offset + slot.numel].zero_()
-            buffer[:, segment + self.column[id(mp)]].zero_()
+            if self.flagged:
+                buffer[:, segment + self.column[id(mp)]].zero_()
             self.written.add(id(mp))  # its region now holds a (zero) gradient: later writes add to it
 
     def accumulate(self) -> None:
@@ -318,12 +364,13 @@ class UnitGradients:
             return False  # the per-parameter path divides before the cast (bit-identical results either way)
         if self.make_room is not None:
             self.make_room()
+        self._choose_layout()
         buffer = torch.empty(
-            world_size, self.layout.segment_numel + self.tail, dtype=spec.reduce_dtype, device=spec.device
+            world_size, self.layout.segment_numel + self.tail(self.flagged), dtype=spec.reduce_dtype, device=spec.device
         )
         # the flag columns: one element broadcast (no block of ones next to the buffer and the gradients)
-        flags = torch.ones((), dtype=dtype, device=spec.device).expand(world_size, len(self.trainable))
-        torch._chunk_cat([*grads, flags, *scalars], dim=0, num_chunks=world_size, out=buffer)
+        flags = [torch.ones((), dtype=dtype, device=spec.device).expand(world_size, len(self.trainable))]
+        torch._chunk_cat([*grads, *flags[: int(self.flagged)], *scalars], dim=0, num_chunks=world_size, out=buffer)
         if pre != 1.0:
             buffer.div_(pre)  # the flag columns too: they are only compared with zero
         for mp in self.trainable:
@@ -349,7 +396,9 @@ class UnitGradients:
         assert buffer is not None
         self.buffer = None
         spec = self.spec
-        output = torch.empty(self.layout.segment_numel + self.tail, dtype=spec.reduce_dtype, device=spec.device)
+        output = torch.empty(
+            self.layout.segment_numel + self.tail(self.flagged), dtype=spec.reduce_dtype, device=spec.device
+        )
         hook = spec.extensions.reduce_scatter
         work: Work | None = None
         with labelled(f"fsdp_compose::reduce_scatter[{self.spec.owner_name}]"):
@@ -362,7 +411,9 @@ class UnitGradients:
         # Reading the flags costs a device sync, so only a rank that lacked a gradient itself reads them.
         missing_locally = len(self.locally_seen) < len(self.trainable)
         self.locally_seen = set()
-        self.flight = _InFlight(work, output, buffer if work is not None else None, missing_locally, synchronising)
+        self.flight = _InFlight(
+            work, output, buffer if work is not None else None, missing_locally, self.flagged, synchronising
+        )
         self._to(GradState.REDUCE_SCATTERING)
         if spec.dp.replicate_group is not None and not all_reduce_replicas:
             self._wait_reduce_scatter(self.flight)
@@ -445,12 +496,12 @@ class UnitGradients:
         if post != 1.0:
             output.div_(post)
         if self.reduced_hook is not None:
-            self._run_reduced_hook(output)
-        missing = flight.missing_locally and not self.zero_unused
+            self._run_reduced_hook(output, flight.flagged)
+        missing = flight.missing_locally and flight.flagged
         flags = output[segment : segment + len(self.trainable)] > 0 if missing else None
         if output.dtype != spec.grad_dtype:
             output = output.to(spec.grad_dtype)  # one cast for the unit (an elementwise cast: same values)
-        delivery = _Delivery(output, flags, None, flight.synchronising)
+        delivery = _Delivery(output, flags, None, flight.synchronising, flight.flagged)
         if spec.devices.offloaded or flags is not None:
             delivery.output = spec.devices.to_shard(output)  # offloaded: the sharded .grad lives in host memory
             if flags is not None:
@@ -462,13 +513,13 @@ class UnitGradients:
             return
         self._hand_out(delivery)
 
-    def _run_reduced_hook(self, output: torch.Tensor) -> None:
+    def _run_reduced_hook(self, output: torch.Tensor, flagged: bool) -> None:
         """FSDP2's all-reduce hook: ``hook(rows)`` on this rank's reduced, divided gradient rows in the reduce dtype
         (after the HSDP all-reduce), one flat tensor; what it writes in place is what ``.grad`` receives. The
         "had a gradient" flags are not in it; 0-dim gradients (kept in the tail) are appended and copied back."""
         assert self.reduced_hook is not None
         segment = self.layout.segment_numel
-        start = segment + len(self.trainable)
+        start = segment + self.tail(flagged) - len(self.scalar)
         scalars = output[start : start + len(self.scalar)]
         rows = torch.cat([output[:segment], scalars]) if len(self.scalar) else output[:segment]
         device = self.spec.device
@@ -500,8 +551,11 @@ class UnitGradients:
         for index, mp in enumerate(self.trainable):
             if had_grad is not None and not had_grad[index]:
                 continue
-            size, stride, offset = self._rows_at[id(mp)]
-            rows = output.as_strided(size, stride, base + offset)
+            if id(mp) in self.scalar:
+                rows = output.as_strided((), (), base + self._scalar_column(mp, delivery.flagged))
+            else:
+                size, stride, offset = self._rows_at[id(mp)]
+                rows = output.as_strided(size, stride, base + offset)
             if rows.dtype != mp.sharded.dtype:  # a unit with several trainable dtypes reduces in one of them
                 rows = rows.to(mp.sharded.dtype)
             current = mp.sharded.grad

@@ -16,7 +16,9 @@ computes which of its units' forward entries this backward will run (autograd sa
 ranks all-reduce that mask (``agree_on_backward``, one small collective per backward, before any other of it). A unit
 that some rank runs takes part on every rank: the others gather it and reduce zeros for it at its place in the order.
 The same collective carries "this rank abandoned the step" (``fc.reset_step`` after an exception on one rank), so
-every rank raises the same error instead of waiting for collectives that will never come.
+every rank raises the same error instead of waiting for collectives that will never come, and, per parameter, whether
+autograd will accumulate a gradient into it on this rank: where every trainable parameter of a unit gets one on some
+rank, its reduce-scatter needs no "had a gradient" flags (``grads.py``).
 
 ``describe_schedule(model)`` prints the schedule of a sharded model before it runs.
 """
@@ -87,6 +89,10 @@ class StepSchedule:
         # The root last: its own parameters (embeddings) get their gradients last.
         self.reduce_order: list[ShardState] = [*reversed(others), root]
 
+    def parameter_count(self) -> int:
+        """Parameters of all units (trainable or not: the count every rank has, whatever it froze)."""
+        return sum(len(u.state.unit.params) for u in self.units)
+
     @property
     def states(self) -> list[ShardState]:
         return [u.state for u in self.units]
@@ -114,11 +120,26 @@ class StepSchedule:
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed at the start of a backward."""
+
+    participants: list[bool]  # per unit (registration order): some rank runs it in this backward
+    gradient_somewhere: list[bool]  # per parameter (units in order, then their params): some rank expects a gradient
+    quitting: list[int]  # ranks that abandoned the step
+
+
 def agree_on_backward(
-    schedule: StepSchedule, reached: list[bool], *, abandoning: bool, checks: bool
-) -> tuple[list[bool], list[int]]:
-    """All-reduce (MAX) this rank's participation mask, whether it abandons the step, and (with collective checks)
-    the schedule's fingerprint, over the root's data-parallel groups. Returns (participants, ranks abandoning).
+    schedule: StepSchedule,
+    reached: list[bool],
+    *,
+    abandoning: bool,
+    checks: bool,
+    expected: list[bool] | None = None,
+) -> Agreement:
+    """All-reduce (MAX) this rank's participation mask, the parameters it expects gradients for (``expected``, one
+    per ``parameter_count``; None: none), whether it abandons the step, and (with collective checks) the schedule's
+    fingerprint, over the root's data-parallel groups.
 
     Raises ``RuntimeError`` on every rank when fingerprints differ (collective checks on): before any collective of
     the backward, so nothing hangs.
@@ -126,25 +147,26 @@ def agree_on_backward(
     root = schedule.root
     dp = root.unit.dp
     groups = [g for g in (dp.shard_group, dp.replicate_group) if g is not None and dist.get_world_size(g) > 1]
+    expected = expected if expected is not None else [False] * schedule.parameter_count()
     if not groups:
-        return reached, [0] if abandoning else []
+        return Agreement(reached, expected, [0] if abandoning else [])
     world = dist.get_world_size()
     me = dist.get_rank()
-    n = len(reached)
+    n = len(reached) + len(expected)
     fingerprint = schedule.fingerprint() if checks else 0
     # [mask..., abandoning ranks..., fingerprint, -fingerprint]: one MAX gives the union, the set of ranks that
     # abandon, and whether every fingerprint was equal (max == -max(-x) only when all are equal).
     flags = [0] * world
     if abandoning:
         flags[me] = 1
-    row = [*map(int, reached), *flags, fingerprint, -fingerprint]
+    row = [*map(int, reached), *map(int, expected), *flags, fingerprint, -fingerprint]
     values = torch.tensor(row, dtype=torch.int64, device=root.device)
     for group in groups:
         all_reduce_max(values, group)
     if is_fake(values):
         # The planner simulates one rank of identical ones (FakeTensorMode, fake process group): what this rank
         # runs is what every rank runs.
-        return reached, [me] if abandoning else []
+        return Agreement(reached, expected, [me] if abandoning else [])
     result = values.tolist()
     quitting = [rank for rank in range(world) if result[n + rank]]
     if checks and not quitting and result[n + world] != -result[n + world + 1]:
@@ -153,5 +175,5 @@ def agree_on_backward(
             "the start of a backward (units, trainable parameters, sync or reshard settings); every rank must make "
             "the same changes at the same step. fc.describe_schedule(model) on each rank shows what differs"
         )
-    participants = [bool(v) for v in result[:n]]
-    return participants, quitting
+    participants = [bool(v) for v in result[: len(reached)]]
+    return Agreement(participants, [bool(v) for v in result[len(reached) : n]], quitting)

@@ -159,11 +159,15 @@ class StepContext:
         running_calls = {id(s): [e for e in s.entries if e.runs_in_this_backward(running)] for s in self.states}
         reached = [bool(running_calls[id(state)]) for state in self.states]
         checks = any(state.collective_checks for state in self.states)
+        # Per parameter: will this rank have a gradient for it (its unit's reduce-scatter needs no flags when some
+        # rank will, for every trainable parameter of the unit)
+        expected = [mp.trainable and s.unit.grads.expects_gradient(mp) for s in self.states for mp in s.unit.params]
         try:
-            participants, quitting = agree_on_backward(self.schedule, reached, abandoning=False, checks=checks)
+            agreed = agree_on_backward(self.schedule, reached, abandoning=False, checks=checks, expected=expected)
         except RuntimeError:
             self.abandon(agreed=True)  # every rank raises here: nothing of this backward was issued
             raise
+        participants, quitting = agreed.participants, agreed.quitting
         if quitting:
             self.abandon(agreed=True)
             raise StepAbandoned(
@@ -171,6 +175,7 @@ class StepContext:
                 f"backward under {self.root.unit.owner_name}: no gradient of it is kept on any rank. Skip the step "
                 "on every rank (the next forward starts a new one)"
             )
+        _decide_flag_columns(self.states, agreed.gradient_somewhere)
         takes_part = {id(s) for s, p in zip(self.states, participants, strict=True) if p}
         here = {id(s) for s, r in zip(self.states, reached, strict=True) if r}
         # Post-backward hooks each participant waits for here. A call whose inputs need no gradient has none (its
@@ -232,6 +237,8 @@ class StepContext:
             if bp is None:
                 return
             bp.complete()
+            for state in self.states:
+                state.unit.grads.flags_needed = True  # what reduces outside a backward cannot know who has what
             for state in bp.gather_order:
                 grads = state.unit.grads
                 grads.settle()  # the one point where the host waits for device-to-host copies of gradients
@@ -303,7 +310,8 @@ class StepContext:
         if self.backward is None:
             # Every rank calls reset_step at the same point, or this rank alone while the others run the backward
             # of the step it abandons: either way they meet in the backward's agreement.
-            _, quitting = agree_on_backward(self.schedule, [False] * len(self.states), abandoning=True, checks=False)
+            reached = [False] * len(self.states)
+            quitting = agree_on_backward(self.schedule, reached, abandoning=True, checks=False).quitting
             everyone = len(quitting) == _ranks_in(self.root)
         if self.backward is not None or any(s.unit.grads.has_pending() for s in self.states):
             self.abandon()
@@ -321,6 +329,16 @@ class StepContext:
                 f"other ranks ran its backward (abandoning: {quitting}): no gradient of it is kept on any rank. Skip "
                 "the step on every rank (the next forward starts a new one)"
             )
+
+
+def _decide_flag_columns(states: list[ShardState], gradient_somewhere: list[bool]) -> None:
+    """A unit whose every trainable parameter gets a gradient on some rank reduces without "had a gradient" flags."""
+    index = 0
+    for state in states:
+        grads = state.unit.grads
+        agreed = gradient_somewhere[index : index + len(state.unit.params)]
+        index += len(state.unit.params)
+        grads.flags_needed = not all(got for mp, got in zip(state.unit.params, agreed, strict=True) if mp.trainable)
 
 
 def _wait_after(gather_order: list[ShardState]) -> dict[int, int]:

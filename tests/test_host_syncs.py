@@ -2,7 +2,8 @@
 
 On a CPU device nothing is pending, so ``fsdp_compose.streams.record_event`` returns None; these tests substitute a
 recording event to check, through the same code as on an accelerator, that every device-to-host read of a backward
-(the "had a gradient" flags of a rank that lacked one, the offloaded gradients) is covered by an event that is
+(the "had a gradient" flags of a rank that lacked a gradient the backward's agreement could not promise, the offloaded
+gradients) is covered by an event that is
 waited for once, in the final callback. Casts under offload plus mixed precision happen on the compute device, and
 inputs move to the device with a blocking copy, as DDP moves them.
 """
@@ -27,13 +28,16 @@ SGD_TOL = 1e-5
 
 
 class _Branchy(nn.Module):
-    """Every rank runs ``extra`` (its all-gather must match), only rank 0's loss uses it: the other ranks lack its
-    gradient and must read the flags to know that some rank had one."""
+    """Every rank runs ``extra`` (its all-gather must match), only rank 0's loss uses it. The backward's agreement
+    tells the other ranks that rank 0 will have its gradients; ``extra.unused`` (``with_unused``) gets one on no rank,
+    which no rank can promise: its unit's reduce-scatter carries flags, and every rank reads them."""
 
-    def __init__(self) -> None:
+    def __init__(self, with_unused: bool = False) -> None:
         super().__init__()
         self.body = nn.Linear(6, 6)
         self.extra = nn.Linear(6, 6)
+        if with_unused:
+            self.extra.unused = nn.Parameter(torch.ones(6))
 
     def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
         y = self.body(x)
@@ -73,9 +77,9 @@ def _with_recording_events(run: Any) -> list[tuple[str, bool]]:
     return log
 
 
-def _missing_flags(rank: int, ws: int) -> dict[str, Any]:
+def _missing_flags(rank: int, ws: int, with_unused: bool) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = _Branchy()
+    model = _Branchy(with_unused)
     reference = copy.deepcopy(model)
     fc.fully_shard(model.extra, mesh=mesh_1d(ws))
     fc.fully_shard(model, mesh=mesh_1d(ws))
@@ -89,24 +93,30 @@ def _missing_flags(rank: int, ws: int) -> dict[str, Any]:
         model(parts[rank], use_extra=rank == 0).square().sum().backward()
 
     log = _with_recording_events(step)
-    diffs = [
-        (full_value(p.grad) - q.grad).abs().max().item()
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
-    ]
-    return {"log": log, "diff": max(diffs)}
+    pairs = list(zip(model.parameters(), reference.parameters(), strict=True))
+    diffs = [(full_value(p.grad) - q.grad).abs().max().item() for p, q in pairs if q.grad is not None]
+    nones = [(p.grad is None, q.grad is None) for p, q in pairs]
+    return {"log": log, "diff": max(diffs), "nones": nones}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_gradients_promised_by_the_agreement_need_no_host_read(run_dist, ws: int) -> None:
+    for result in run_dist(ws, _missing_flags, False):
+        assert result["log"] == []  # ranks without extra's gradients know rank 0 has them: nothing to read
+        assert result["diff"] <= SGD_TOL
+        assert all(ours == theirs for ours, theirs in result["nones"])
 
 
 @pytest.mark.parametrize("ws", [2, 4])
 def test_flag_reads_wait_for_an_event_in_the_final_callback(run_dist, ws: int) -> None:
-    for rank, result in enumerate(run_dist(ws, _missing_flags)):
+    for result in run_dist(ws, _missing_flags, True):
         log = result["log"]
-        if rank == 0:
-            assert log == []  # it had every gradient: nothing to read, nothing to wait for
-        else:
-            # one delivery (the unit that owns ``extra``) reads flags: one event, waited for once, at the end of
-            # backward
-            assert [what for what, _ in log] == ["record", "synchronize"] and log[1][1], log
+        # every rank lacks extra.unused: one delivery (extra's unit) reads flags, one event, waited for once, at the
+        # end of backward
+        assert [what for what, _ in log] == ["record", "synchronize"] and log[1][1], log
         assert result["diff"] <= SGD_TOL
+        assert (True, True) in result["nones"]  # extra.unused keeps .grad None, as in the reference
+        assert all(ours == theirs for ours, theirs in result["nones"])
 
 
 def _offloaded(rank: int, ws: int) -> dict[str, Any]:

@@ -6,18 +6,18 @@ padded to ``c`` and laid end to end in one flat **segment** of ``seg_u = sum(c_p
 ``r`` owns ``min(c, max(0, dim0 - r * c))`` real rows of each parameter. Then, per rank:
 
 - sharded parameters: ``sum_u seg_u`` elements in the parameters' dtype (the flat buffers; padding included);
-- gradients: the reduce-scatter's output, which the sharded ``.grad`` views: ``seg_u + T_u`` elements per unit in
-  the gradient dtype, where ``T_u`` is the unit's number of trainable parameters (one "had a gradient" flag each,
-  see docs/design.md; 0-dim parameters add their gradient there too);
+- gradients: the reduce-scatter's output, which the sharded ``.grad`` views: ``seg_u + Z_u`` elements per unit in
+  the gradient dtype, where ``Z_u`` is the unit's number of trainable 0-dim parameters (their gradients ride in
+  the tail; "had a gradient" flags are added only where a backward cannot promise every gradient, see grads.py);
 - optimizer state: per parameter, of the rank's real rows (not padded): AdamW two tensors (``exp_avg``,
   ``exp_avg_sq``) and a 4-byte ``step``; SGD with momentum one; plain SGD none.
 
-Collectives, per rank and step (the minimum: no flags, one gather per pass):
+Collectives, per rank and step (the minimum: one gather per pass):
 
 - all-gather: ``S * seg_u`` elements in ``param_dtype`` per unit, twice for a unit resharded after forward (the
   blocks) and once for one kept (the root);
-- reduce-scatter: ``S * seg_u`` elements in ``reduce_dtype`` per trainable unit (counted: ``S * (seg_u + T_u)``);
-- HSDP all-reduce over the replicate group: ``seg_u`` elements per trainable unit (counted: ``seg_u + T_u``).
+- reduce-scatter: ``S * seg_u`` elements in ``reduce_dtype`` per trainable unit (counted: ``S * (seg_u + Z_u)``);
+- HSDP all-reduce over the replicate group: ``seg_u`` elements per trainable unit (counted: ``seg_u + Z_u``).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def sharded_state(units: Mapping[str, Sequence[ParamInfo]], config: PlanConfig) 
         params += seg * _size(stored) + sum(_size(p.dtype) for p in scalars)
         trainable = [p for p in infos if p.trainable]
         if trainable:
-            grads += (seg + len(trainable)) * _size(reduced)
+            grads += (seg + sum(1 for p in trainable if not p.shape)) * _size(reduced)
         for p in trainable:
             local = owned_rows(p.shape[0], shards, rank) * math.prod(p.shape[1:]) if p.shape else 1
             optimizer += per_param_state * local * _size(p.dtype)

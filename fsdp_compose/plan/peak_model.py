@@ -4,10 +4,10 @@ The model replays, allocation by allocation, what a step of the preset GPT keeps
 fsdp_compose (1-D mesh, fp32, blocks resharded after forward, the root kept, AdamW / SGD per-parameter loop,
 no activation checkpointing), with sizes in closed form. Notation (elements; fp32 = 4 bytes each): ``N = batch x
 seq`` tokens, ``D`` width, ``F = mlp_ratio x D``, ``H`` heads, ``V`` vocabulary, ``P`` the learned positions,
-``S`` shard-group size. Per unit ``u``: ``seg_u`` the padded segment (analytic.py), ``T_u`` its trainable
-parameters, ``full_u`` its unsharded elements (its full gradients); full parameters and all-gather buffer
+``S`` shard-group size. Per unit ``u``: ``seg_u`` the padded segment (analytic.py),
+``full_u`` its unsharded elements (its full gradients); full parameters and all-gather buffer
 ``S seg_u`` each (the full parameters live in one padded buffer, see unit.py), reduce-scatter input
-``S (seg_u + T_u)`` and output ``seg_u + T_u``.
+``S (seg_u + Z_u)`` and output ``seg_u + Z_u`` (``Z_u``: its trainable 0-dim parameters; none in the preset).
 
 Activations one block keeps for backward: ``A = 16 N D + H N + 4 N`` (LayerNorm inputs and outputs, the qkv
 projection ``3 N D``, attention output ``N D`` and log-sum-exp ``H N``, MLP hidden before and after GELU ``2 N F``,
@@ -284,11 +284,11 @@ def peak_model(config: PlanConfig, record: StepRecord) -> PeakModel | None:
 
     def unit(infos: Sequence[ParamInfo]) -> _Unit:
         seg = segment_numel(infos, shards)
-        flags = sum(1 for p in infos if p.trainable)
+        tail = sum(1 for p in infos if p.trainable and not p.shape)  # 0-dim gradients (no flags: grads.py)
         full = sum(_prod(p.shape) for p in infos)
         gather = shards * seg if shards > 1 else 0
-        rs_in = shards * (seg + flags) if shards > 1 else 0
-        return _Unit(full=full, gathered=shards * seg, gather=gather, rs_in=rs_in, rs_out=seg + flags)
+        rs_in = shards * (seg + tail) if shards > 1 else 0
+        return _Unit(full=full, gathered=shards * seg, gather=gather, rs_in=rs_in, rs_out=seg + tail)
 
     units = record.unit_params
     blocks = [unit(units[f"blocks.{i}"]) for i in range(m.layers)]

@@ -175,7 +175,7 @@ def fully_shard(
         offload_policy,
     )
     unit.post_forward = post_forward_group_for(reshard_after_forward, mesh)
-    unit.hook_policy = torch_fsdp.MixedPrecisionPolicy(
+    unit.gather.hook_policy = torch_fsdp.MixedPrecisionPolicy(
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
         output_dtype=mp_policy.output_dtype,

@@ -48,7 +48,7 @@ def _what_backward_gathers(rank: int, ws: int) -> dict[str, Any]:
         loss = loss_fn(model(inputs.chunk(ws)[rank]), targets.chunk(ws)[rank])
         units = [fc.get_state(block).unit for block in model.blocks]  # type: ignore[union-attr]
         after_forward = [u.state for u in units]
-        blocks = [u._group_block for u in units]
+        blocks = [u.gather._group_block for u in units]
         freed = all(
             mp.full_data is None or mp.full_data.untyped_storage().size() == 0 for u in units for mp in u.params
         )

@@ -1,0 +1,217 @@
+"""A unit's full parameters: the tensors an all-gather's bytes land in, kept across reshards.
+
+Why they are a class of their own: a full parameter outlives the gather that filled it. autograd saves the full
+parameters a forward used, so resharding frees their storage (resized to zero) but keeps the tensor objects, and the
+next all-gather refills the same storage, where backward finds the values again. The objects are kept per (dtype
+group, compute dtype): an fp32 eval forward between a bf16 forward and its backward must not replace the bf16
+tensors that autograd saved. This module owns that cache, the copy-out of the gathered segments into it (the flat
+path and ``gather_plan``'s path for several dtypes or protocol parameters), registering the full parameters on the
+modules and the sharded ones again, and the hook that hands each full gradient to the unit's gradient side.
+
+Issuing and waiting for the all-gather, and the states around it, are gathering.py.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+import torch
+
+from .flat import FlatShard, ManagedParam, make_full_param
+from .gather_plan import FullBuffer, GatherPlan
+from .grads import UnitGradients
+from .offload import UnitDevices
+from .sharding import copy_param_from_segments
+
+__all__ = ["FullParams", "GradientOwner"]
+
+
+class GradientOwner(Protocol):
+    """What a full parameter's gradient hook hands its gradient to: the unit's gradient side, looked up at every
+    call (a unit rebuilds it when its dtypes change)."""
+
+    grads: UnitGradients
+
+
+class _CaptureGrad:
+    """Post-accumulate-grad hook of a full parameter: hands the gradient to the unit's gradient side at once.
+
+    It holds the unit and the parameter record weakly: autograd keeps a tensor's hooks alive from C++, so a strong
+    reference back to the unit would form a cycle the garbage collector cannot see, and a deleted model (with its
+    buffers and process groups) would never be freed.
+    """
+
+    def __init__(self, owner: weakref.ref[GradientOwner], mp: ManagedParam) -> None:
+        self.owner = owner
+        self.mp = weakref.ref(mp)
+
+    def __call__(self, param: torch.Tensor) -> None:
+        owner, mp = self.owner(), self.mp()
+        if owner is not None and mp is not None:
+            owner.grads.capture(mp)
+
+
+class FullParams:
+    """The full parameters of one unit's ``shards``, on the compute device, in the dtype of the last gather."""
+
+    def __init__(
+        self,
+        shards: FlatShard,
+        devices: UnitDevices,
+        world_size: int,
+        policy_param_dtype: torch.dtype | None,
+        owner: GradientOwner,
+    ) -> None:
+        self.shards = shards
+        self.devices = devices
+        self.device = devices.compute
+        self.world_size = world_size
+        self.policy_param_dtype = policy_param_dtype  # None: the parameters' own dtype
+        self._owner = weakref.ref(owner)
+        # Per (dtype group, compute dtype), its sharded slots' full parameters (kept, storage freed when sharded)
+        self._fulls: dict[tuple[int, torch.dtype], FullBuffer] = {}
+
+    def compute_dtype_for(self, own: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+        """The compute dtype of a parameter of dtype ``own`` when the unit is gathered in ``dtype``.
+
+        The unit's own dtype group (and every parameter of a one-dtype unit) takes ``dtype``; in a unit of several
+        dtypes the others take the policy's ``param_dtype`` when ``dtype`` is it, else keep their own (as torch's
+        fully_shard casts each parameter to ``param_dtype`` or leaves it).
+        """
+        if own == self.shards.dtype or (self.policy_param_dtype is not None and dtype == self.policy_param_dtype):
+            return dtype
+        return own
+
+    # ------------------------------------------------------------------ filling them
+    def copy_out(self, segments: torch.Tensor, dtype: torch.dtype) -> None:
+        """One dtype group: the gathered ``(world_size, segment)`` rows into its full parameters."""
+        full = self._buffer(dtype)
+        if full.splits and self.shards.layout.segment_numel > 0:
+            torch.split_with_sizes_copy(segments, full.splits, dim=1, out=full.outs)
+        for index in full.relaid:
+            copy_param_from_segments(full.param_view(index), segments, self.shards.layout.slots[index])
+
+    def copy_out_plan(self, plan: GatherPlan, dtype: torch.dtype) -> None:
+        """Split the gathered inputs into every group's full parameters and every protocol parameter's outputs; the
+        post-hooks then build (first gather) or refill (``out=``) the unsharded protocol parameters."""
+        outs: list[torch.Tensor] = []
+        fulls = []
+        for index, group in enumerate(self.shards.groups):
+            full = self._buffer(self.compute_dtype_for(group.dtype, dtype), index)
+            outs.extend(full.outs)
+            fulls.append(full)
+        protocol = self.shards.protocol
+        first = len(self.shards.groups)
+        for mp in protocol:
+            assert mp.subclass is not None
+            count = len(mp.subclass.input_sizes)
+            dtypes, numels = plan.input_dtypes[first : first + count], plan.input_numels[first : first + count]
+            first += count
+            buffers = mp.subclass.output_buffers(dtypes, numels, self.world_size, self.device)
+            outs.extend(b.view(self.world_size, -1) for b in buffers)
+        plan.copy_out(outs, self.world_size)
+        for full in fulls:
+            full.relay()
+        for mp in protocol:
+            assert mp.subclass is not None
+            own = self.compute_dtype_for(mp.sharded.dtype, dtype)
+            unsharded = mp.subclass.unshard(mp.sharded._local_tensor, own, mp.trainable)
+            if mp.full is not unsharded:
+                mp.full = mp.full_data = unsharded
+                mp.full_hooked = False
+                self.hook(mp)
+
+    def register(self, dtype: torch.dtype) -> None:
+        """After the copy-out: fill the kept-whole parameters, then register every full parameter on its modules."""
+        for mp in self.shards.params:
+            if mp.slot is None:
+                full_data = self._ensure_whole(mp, self.compute_dtype_for(mp.sharded.dtype, dtype))
+                if full_data.data_ptr() != mp.sharded._local_tensor.data_ptr():
+                    self.devices.copy_to_compute(full_data, mp.sharded._local_tensor)
+            elif mp.full is not None and mp.full.requires_grad != mp.trainable:
+                mp.full.requires_grad_(mp.trainable)
+                self.hook(mp)
+            mp.gathered_version = mp.sharded._version
+            assert mp.full is not None
+            mp.register(mp.full)
+
+    def _buffer(self, dtype: torch.dtype, group: int = 0) -> FullBuffer:
+        """A dtype group's full parameters with storage allocated: built on first use and when the layout, the
+        dtype or a parameter object changed; otherwise the same tensors, their storage resized back."""
+        key = (group, dtype)
+        full = self._fulls.get(key)
+        groups = self.shards.groups
+        layout = groups[group].layout if groups else self.shards.layout
+        members = [mp for mp in self.shards.params if mp.group == group and mp.slot is not None]
+        fresh = full is None or full.layout is not layout
+        if full is None or fresh:
+            full = self._fulls[key] = FullBuffer.build(layout, dtype, self.device)
+        for mp in members:
+            assert mp.slot is not None
+            current = None if fresh else mp.full
+            if current is not None and current.dtype != dtype:  # keep it with its buffer (autograd may hold it)
+                self._fulls[(group, current.dtype)].params[id(mp)] = (current, mp.full_data, mp.full_hooked)
+                current = None
+            cached = full.params.get(id(mp))
+            if current is None and cached is not None and mp.full is not None:
+                mp.full, mp.full_data, mp.full_hooked = cached
+            elif current is None:
+                mp.full, mp.full_data = make_full_param(full.param_view(mp.slot), mp.placing, mp.trainable)
+                mp.full_hooked = False
+                self.hook(mp)
+                full.params[id(mp)] = (mp.full, mp.full_data, mp.full_hooked)
+        full.allocate()
+        return full
+
+    def _ensure_whole(self, mp: ManagedParam, dtype: torch.dtype) -> torch.Tensor:
+        """A kept-whole parameter's full ``.data`` with storage allocated (created on first use, resized back after)."""
+        mp.use_full_of(dtype)
+        if mp.full is None:
+            if mp.slot is None and dtype == mp.sharded.dtype and not self.devices.offloaded:
+                local = mp.sharded._local_tensor  # whole: the full parameter aliases it, no copy
+            else:
+                local = torch.empty(mp.placing.local_shape, dtype=dtype, device=self.device)
+            mp.full, mp.full_data = make_full_param(local, mp.placing, mp.trainable)
+            mp.full_hooked = False
+            self.hook(mp)
+        elif mp.full.requires_grad != mp.trainable:
+            mp.full.requires_grad_(mp.trainable)
+            self.hook(mp)
+        assert mp.full_data is not None
+        storage = mp.full_data.untyped_storage()
+        needed = mp.full_data.numel() * mp.full_data.element_size()
+        if storage.size() < needed:
+            storage.resize_(needed)
+        return mp.full_data
+
+    # ------------------------------------------------------------------ freeing them
+    def free(self) -> None:
+        """Register the sharded parameters on the modules again and free every full parameter's storage (the tensor
+        objects stay, for the next gather to refill)."""
+        for mp in self.shards.params:
+            # ``requires_grad_`` the user called while the full parameters were registered belongs to the
+            # parameter the module will hold from now on: the trainability check reads the sharded one.
+            if mp.full is not None and mp.registered() is mp.full and mp.full.requires_grad != mp.trainable:
+                mp.sharded.requires_grad_(mp.full.requires_grad)
+            mp.register(mp.sharded)
+            full_data = mp.full_data
+            if (
+                mp.slot is None
+                and full_data is not None
+                and full_data.untyped_storage().data_ptr() != mp.sharded._local_tensor.data_ptr()
+            ):
+                full_data.untyped_storage().resize_(0)
+        for full in self._fulls.values():
+            full.free()
+        for mp in self.shards.params:
+            if mp.subclass is not None:
+                mp.subclass.free()
+
+    # ------------------------------------------------------------------ their gradients
+    def hook(self, mp: ManagedParam) -> None:
+        """Once per full parameter that requires grad: hand each gradient to the unit's ``grads.capture`` as it is
+        made."""
+        if mp.full is not None and mp.full.requires_grad and not mp.full_hooked:
+            mp.full.register_post_accumulate_grad_hook(_CaptureGrad(self._owner, mp))
+            mp.full_hooked = True

@@ -1,0 +1,287 @@
+"""A unit's gather state machine: all-gather the flat shards into full parameters, and free them again.
+
+The states (``UnitState``) and what moves between them::
+
+    SHARDED --start--> GATHERING --finish--> UNSHARDED --reshard--> SHARDED
+    UNSHARDED --reshard_to_group--> GROUP_SHARDED --start--> GATHERING     (reshard_after_forward=k)
+    GROUP_SHARDED --reshard--> SHARDED
+
+1. ``start(dtype)`` issues one flat all-gather of every rank's segment in the compute ``dtype``; ``finish`` waits for
+   it, and full_params.py copies each parameter's rows out into its own full tensor and registers those on the
+   owning modules, so the user's forward runs unchanged.
+2. ``reshard`` registers the sharded DTensor parameters again and frees the full tensors' storage (full_params.py).
+
+Why apart from the unit (unit.py): this is the one place that decides which all-gather a unit issues (its flat
+buffer, one ``GatherPlan`` of several dtypes or protocol parameters, or the post-forward block within a group of
+``k`` ranks) and when it waits, so the collectives of a unit's forward and backward read in one file. The engine
+drives it through ``ShardedUnit``'s methods of the same purpose. A transition not listed in ``_ALLOWED`` raises.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.distributed.fsdp as torch_fsdp
+
+from .collectives import Work, all_gather_flat, labelled
+from .extensions import ShardExtensions
+from .flat import FlatShard
+from .full_params import FullParams
+from .gather_plan import GatherPlan
+from .meshes import DataParallelMesh, PostForwardGroup
+from .offload import UnitDevices
+from .sharding import write_param_into_segments
+from .streams import issued_on, record_event, wait_for
+from .subclass_params import shard_mesh
+from .transitions import checked
+
+__all__ = ["UnitGather", "UnitState"]
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # an all-gather is in flight
+    UNSHARDED = "unsharded"
+    # After forward with reshard_after_forward=k: sharded parameters registered, plus 1/k of the gathered buffer kept
+    # so that backward re-gathers within a group of k ranks (e.g. one node) instead of the whole shard group.
+    GROUP_SHARDED = "group_sharded"
+
+
+_ALLOWED: dict[UnitState, frozenset[UnitState]] = {
+    UnitState.SHARDED: frozenset({UnitState.GATHERING}),
+    UnitState.GATHERING: frozenset({UnitState.UNSHARDED}),
+    UnitState.UNSHARDED: frozenset({UnitState.SHARDED, UnitState.GROUP_SHARDED}),
+    UnitState.GROUP_SHARDED: frozenset({UnitState.GATHERING, UnitState.SHARDED}),
+}
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _plain_tensors(method: _Method) -> _Method:
+    """Run ``method`` with torch.func's transforms (``jvp``, ``vmap``, ``grad``) switched off: the buffers and full
+    parameters it makes are the unit's own, plain tensors, never wrapped for the transform of the forward that
+    gathers them. Inside the transform the parameters are then constants, as torch's ``fully_shard`` makes them."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._DisableFuncTorch():
+            return method(*args, **kwargs)
+
+    return cast(_Method, run)
+
+
+@dataclass
+class _PendingGather:
+    """An all-gather in flight. It holds its input too: an asynchronous collective reads it until the wait."""
+
+    work: Work | None
+    output: torch.Tensor
+    input: torch.Tensor
+    encoded: bool  # the output needs the all-gather extension's decode
+    plan: GatherPlan | None = None  # several dtypes or protocol parameters in one all-gather (gather_plan.py)
+    issued: torch.Event | None = None  # recorded on the side stream after the copy-in and the collective's issue
+
+
+class UnitGather:
+    """The all-gathers of one unit's ``shards`` over the data-parallel mesh's shard group, and its ``UnitState``."""
+
+    def __init__(
+        self,
+        shards: FlatShard,
+        fulls: FullParams,
+        dp: DataParallelMesh,
+        devices: UnitDevices,
+        extensions: ShardExtensions,
+        owner_name: str,
+        hook_policy: torch_fsdp.MixedPrecisionPolicy,
+    ) -> None:
+        self.shards = shards
+        self.fulls = fulls
+        self.dp = dp
+        self.group = dp.shard_group
+        self.rank = dp.shard_rank
+        self.world_size = dp.shard_size
+        self.devices = devices
+        self.device = devices.compute
+        self.extensions = extensions
+        self.owner_name = owner_name
+        self.hook_policy = hook_policy  # what a protocol parameter's hooks receive (torch's policy class)
+        self.post_forward: PostForwardGroup | None = None  # set by reshard_after_forward=k (1 < k < world size)
+        self.state = UnitState.SHARDED
+        self.explicit = False  # gathered by fc.unshard: the next forward consumes it rather than discarding it
+        self.compute_dtype: torch.dtype | None = None  # dtype of the full parameters gathered last
+        self._pending_gather: _PendingGather | None = None
+        self._group_block: torch.Tensor | None = None  # GROUP_SHARDED: this rank's W/k segments of the gathered buffer
+
+    def _to(self, new: UnitState) -> None:
+        self.state = checked(self.state, new, _ALLOWED, f"unit {self.owner_name}")
+
+    # ------------------------------------------------------------------ issue
+    @_plain_tensors
+    def start(
+        self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None, adopt: Callable[[], None]
+    ) -> None:
+        """Issue the all-gather in ``dtype`` (no-op when already unsharded or gathering).
+
+        ``stream``: a side stream for the copy-in and the collective's issue, so they overlap compute (None: the
+        current stream; always None on a CPU device). ``finish`` makes the compute stream wait for it. ``adopt``
+        runs before gathering from the shards: the unit picks up parameters replaced or cast since.
+        """
+        if self.state is UnitState.GROUP_SHARDED:
+            block = self._group_block
+            self._group_block = None
+            if block is not None and block.dtype == dtype:
+                self._start_group_gather(block, async_op=async_op)
+                return
+            self._to(UnitState.SHARDED)  # gathered in another precision since: gather from the shards
+        if self.state is not UnitState.SHARDED:
+            return
+        adopt()
+        self.compute_dtype = dtype
+        if not self.shards.uniform:
+            self._start_plan(dtype, async_op=async_op)
+            return
+        transform = self.extensions.all_gather
+        numel = self.shards.layout.segment_numel
+        flat = self.shards.flat
+        cast_in_place = transform is None and dtype != flat.dtype and self.world_size > 1 and numel > 0
+        gathers = self.world_size > 1 and numel > 0
+        if transform is not None:
+            stream = None  # an extension's encode decides the collective's size: it runs on the compute stream
+        # Allocated on the compute stream, which frees it after the copy-out (the rule in streams.py).
+        gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device) if gathers else None
+        with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"), issued_on(stream, self.device):
+            if cast_in_place:
+                # Cast straight into this rank's segment of the output and all-gather in place (the input is a view
+                # of the output): no separate low-precision copy of the shard lives next to the output while it
+                # runs. Offloaded, the shard crosses to the device in its own dtype first and is cast there.
+                assert gathered is not None
+                shard = gathered[self.rank * numel : (self.rank + 1) * numel]
+                shard.copy_(self.devices.to_compute(flat, flat.dtype))
+                work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
+                pending = _PendingGather(work, gathered, shard, encoded=False)
+            else:
+                shard = self.devices.to_compute(flat, dtype)
+                if transform is not None and gathers:
+                    shard = transform.encode(shard)
+                    gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=self.device)
+                if gathered is None:
+                    pending = _PendingGather(None, shard, shard, encoded=False)
+                else:
+                    work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
+                    pending = _PendingGather(work, gathered, shard, encoded=transform is not None)
+        if stream is not None:
+            pending.issued = record_event(self.device, stream)
+        self._pending_gather = pending
+        self._to(UnitState.GATHERING)
+
+    def _start_plan(self, dtype: torch.dtype, *, async_op: bool) -> None:
+        """Several dtype groups or protocol parameters: one all-gather of all their inputs (see gather_plan.py).
+
+        Runs on the compute stream: a pre-hook may communicate (float8's amax) and decides the collective's size.
+        """
+        inputs = [
+            self.devices.to_compute(group.flat, self.fulls.compute_dtype_for(group.dtype, dtype))
+            for group in self.shards.groups
+        ]
+        with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"):
+            for mp in self.shards.protocol:
+                assert mp.subclass is not None
+                module = mp.owners[0][0]
+                local = mp.sharded._local_tensor
+                inputs.extend(mp.subclass.all_gather_inputs(local, shard_mesh(self.dp.mesh), module, self.hook_policy))
+            plan = GatherPlan.copy_in(inputs, self.world_size, self.rank, self.device)
+            work = None
+            if self.world_size > 1 and plan.shard.numel() > 0:
+                work = all_gather_flat(plan.output, plan.shard, self.group, async_op=async_op)
+        self._pending_gather = _PendingGather(work, plan.output, plan.shard, encoded=False, plan=plan)
+        self._to(UnitState.GATHERING)
+
+    def _start_group_gather(self, block: torch.Tensor, *, async_op: bool) -> None:
+        """All-gather the post-forward blocks within the group of k ranks: all ``W`` segments, in order."""
+        assert self.post_forward is not None
+        numel = self.world_size * self.shards.layout.segment_numel
+        gathered = torch.empty(numel, dtype=block.dtype, device=block.device)
+        with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"):
+            work = all_gather_flat(gathered, block.view(-1), self.post_forward.group, async_op=async_op)
+        self._pending_gather = _PendingGather(work, gathered, block, encoded=False)
+        self._to(UnitState.GATHERING)
+
+    # ------------------------------------------------------------------ wait and copy out
+    @_plain_tensors
+    def finish(self) -> None:
+        """Wait for the all-gather, fill the full parameters and register them on the modules."""
+        if self.state is not UnitState.GATHERING:
+            return
+        assert self._pending_gather is not None and self.compute_dtype is not None
+        pending, self._pending_gather = self._pending_gather, None
+        wait_for(pending.issued, self.device)
+        if pending.work is not None:
+            with labelled(f"fsdp_compose::all_gather_wait[{self.owner_name}]"):
+                pending.work.wait()
+        dtype = self.compute_dtype
+        with labelled(f"fsdp_compose::all_gather_copy_out[{self.owner_name}]"):
+            if pending.plan is not None:
+                self.fulls.copy_out_plan(pending.plan, dtype)
+            else:
+                self.fulls.copy_out(self._segments(pending, dtype), dtype)
+            self.fulls.register(dtype)
+        self._to(UnitState.UNSHARDED)
+
+    def _segments(self, pending: _PendingGather, dtype: torch.dtype) -> torch.Tensor:
+        """The flat all-gather's output as ``(world_size, segment)`` rows (decoded by an extension)."""
+        segment_numel = self.shards.layout.segment_numel
+        transform = self.extensions.all_gather
+        if pending.encoded and transform is not None:
+            segments = transform.decode(pending.output.view(self.world_size, -1), dtype)
+            return segments[:, :segment_numel]
+        return pending.output.view(self.world_size, segment_numel)
+
+    # ------------------------------------------------------------------ free
+    @_plain_tensors
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the full parameters' storage (keeping the objects)."""
+        if self.state is UnitState.GATHERING:
+            self.finish()
+        self.explicit = False
+        if self.state is UnitState.GROUP_SHARDED:
+            self._group_block = None
+            self._to(UnitState.SHARDED)
+        if self.state is UnitState.UNSHARDED:
+            self.fulls.free()
+            self._to(UnitState.SHARDED)
+
+    def reshard_to_group(self) -> None:
+        """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest.
+
+        The kept block is cut from the full parameters (already in the compute dtype), so backward all-gathers
+        ``1/k`` of the unit per rank within the group instead of ``1/W`` over the whole shard group.
+        """
+        assert self.post_forward is not None, "reshard_after_forward=k sets the post-forward group"
+        if not self.shards.uniform:
+            raise NotImplementedError(
+                f"reshard_after_forward={self.post_forward.size} on {self.owner_name}, whose parameters have several "
+                "dtypes or use FSDP2's all-gather hooks; use True or False for this unit"
+            )
+        if self.state is UnitState.GATHERING:
+            self.finish()
+        if self.state is not UnitState.UNSHARDED:
+            self.reshard()
+            return
+        per_member = self.world_size // self.post_forward.size
+        first = self.post_forward.position * per_member
+        assert self.compute_dtype is not None
+        layout = self.shards.layout
+        block = torch.zeros(per_member, layout.segment_numel, dtype=self.compute_dtype, device=self.device)
+        for mp in self.shards.params:
+            if mp.slot is not None and mp.full_data is not None:
+                write_param_into_segments(mp.full_data, block, layout.slots[mp.slot], first)
+        self.fulls.free()
+        self._group_block = block
+        self._to(UnitState.GROUP_SHARDED)

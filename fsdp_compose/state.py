@@ -84,28 +84,47 @@ class _Entry:
     run each of them: that is how a rank knows which units a backward uses before it uses them.
     """
 
-    __slots__ = ("always", "post", "pre", "seq")
+    __slots__ = ("always", "inputs", "post", "pre", "seq")
 
     def __init__(self, seq: int = 0) -> None:
         self.seq = seq  # the root's count of calls in this step when this one began: forward order
         self.pre: weakref.ref[Any] | None = None
         self.post: weakref.ref[Any] | None = None
         self.always = False  # no node to ask (outputs under a torch.func transform): taken as run by a backward
+        # A call under no_grad on inputs that need grad: a reentrant activation checkpoint's forward, whose backward
+        # recomputes it inside the backward (see ``ShardState.recomputes_due``). Its inputs, weakly.
+        self.inputs: list[weakref.ref[torch.Tensor]] | None = None
 
     def alive(self) -> bool:
+        if self.inputs is not None:
+            return any(ref() is not None for ref in self.inputs)
         return self.always or (self.pre is not None and self.pre() is not None)
 
     def runs_in_this_backward(self, running: object = None) -> bool:
         """``running``: the node whose backward is running now (autograd does not count a backward's own root
-        node among those it will execute)."""
+        node among those it will execute). A recomputed call runs if the gradient of one of its inputs is computed
+        (autograd cannot see inside the checkpoint before it recomputes)."""
         if self.always:
             return True
+        if self.inputs is not None:
+            nodes = [_gradient_node(t) for t in (ref() for ref in self.inputs) if t is not None]
+            return any(node is running or bool(torch._C._will_engine_execute_node(node)) for node in nodes)
         node = self.pre() if self.pre is not None else None
         return node is not None and (node is running or bool(torch._C._will_engine_execute_node(node)))
 
     def post_backward_runs(self) -> bool:
+        if self.inputs is not None:
+            return True  # its recompute wraps the inputs it runs on
         node = self.post() if self.post is not None else None
         return node is not None and bool(torch._C._will_engine_execute_node(node))
+
+
+def _gradient_node(tensor: torch.Tensor) -> Any:
+    """The node that computes ``tensor``'s gradient: its ``grad_fn``, or for a leaf the one accumulating into it."""
+    if tensor.grad_fn is not None:
+        return tensor.grad_fn
+    with torch.enable_grad():
+        return tensor.view_as(tensor).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
 
 class _PreBackward(torch.autograd.Function):
@@ -182,6 +201,7 @@ class ShardState:
         # Full parameters kept across the last (no-sync) backward by reshard_after_backward=False.
         self.kept_unsharded = False
         self.entries: list[_Entry] = []  # forward calls whose backward has not run yet
+        self.recomputes_due = 0  # calls this backward recomputes (set by the step when it begins)
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -236,25 +256,6 @@ class ShardState:
         replicas = self.unit.dp.replicate_group is not None
         return self.requires_gradient_sync and (self.requires_all_reduce or not replicas)
 
-    def lazy_init(self) -> None:
-        """Become the root of every state below this one. Checks run first, so a bad model fails before a collective."""
-        states: list[ShardState] = []
-        seen: set[int] = set()
-        for module in self.modules:
-            for state in states_under(module):
-                if id(state) not in seen:
-                    seen.add(id(state))
-                    states.append(state)
-        for state in states:
-            state.unit.shards.check_materialized()
-        for state in states:
-            state.root = self
-            state.ctx = None
-        if self.make_step is None:
-            raise RuntimeError(f"internal error in fsdp_compose: {self.unit.owner_name} has no step factory")
-        self.ctx = self.make_step(self, states)
-        logger.debug("lazy init: root %s with %d units", self.unit.owner_name, len(states))
-
     @property
     def root_ctx(self) -> StepOwner | None:
         root = self.root
@@ -303,9 +304,14 @@ class ShardState:
                 ctx.gather_for_backward(self)
             else:
                 self.gather_now()
-            return cast_inputs(self, module, args, kwargs, self.compute_dtype(module))
+            args, kwargs = cast_inputs(self, module, args, kwargs, self.compute_dtype(module))
+            if self.recomputes_due and torch.is_grad_enabled():
+                # A reentrant checkpoint's recompute: its own backward follows, which ends this call's backward.
+                self.recomputes_due -= 1
+                args, kwargs = _wrap_inputs(self, args, kwargs, _Entry())
+            return args, kwargs
         if self.root is None:
-            self.lazy_init()
+            lazy_init(self)
         if self.ctx is not None and self.active == 0:
             args, kwargs = self.ctx.begin_forward(args, kwargs)
         compute_dtype = self.compute_dtype(module)
@@ -318,7 +324,9 @@ class ShardState:
         self.calls.setdefault(id(module), []).append(entry)
         args, kwargs = cast_inputs(self, module, args, kwargs, compute_dtype)
         if torch.is_grad_enabled():
-            args, kwargs = self._wrap_inputs(args, kwargs, entry)
+            args, kwargs = _wrap_inputs(self, args, kwargs, entry)
+        elif not torch.is_inference_mode_enabled():
+            _note_recomputable(entry, args, kwargs)
         return args, kwargs
 
     def _open(self, module: nn.Module, compute_dtype: torch.dtype) -> None:
@@ -350,16 +358,6 @@ class ShardState:
                 if not target.opened:
                     target.start_gather(async_op=True)
 
-    def _wrap_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], entry: _Entry) -> tuple[Any, Any]:
-        needing = _unique(t for t in tensors_in((args, kwargs)) if t.requires_grad)
-        if not needing or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in needing):
-            return args, kwargs  # nothing to hook (or a torch.func transform): the final callback finishes this call
-        wrapped = _PostBackward.apply(self, *needing)
-        entry.post = weakref.ref(wrapped[0].grad_fn)
-        replacement = {id(old): new for old, new in zip(needing, wrapped, strict=True)}
-        new_args, new_kwargs = map_tensors(lambda t: replacement.get(id(t), t), (args, kwargs))
-        return new_args, new_kwargs
-
     @_outside_compile
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Also runs when forward raised (``always_call``): ``output`` is then None and the call just ends."""
@@ -388,6 +386,8 @@ class ShardState:
             output = map_tensors(lambda t: replacement.get(id(t), t), output)
             self.entries.append(entry)
             self.opening_needs_backward = True
+        elif entry.inputs is not None and not found:
+            self.entries.append(entry)  # recomputed in backward (reentrant checkpoint): resharded until then
         if self.active == 0 and not self.pending_modules:
             self.close_forward()
         if self.ctx is not None and self.active == 0:
@@ -448,6 +448,43 @@ class ShardState:
         new.kept_unsharded = False
         new.reset_step()
         return new
+
+
+def lazy_init(root: ShardState) -> None:
+    """``root`` becomes the root of every state below it. Checks run first: a bad model fails before a collective."""
+    states: list[ShardState] = []
+    seen: set[int] = set()
+    for module in root.modules:
+        for state in states_under(module):
+            if id(state) not in seen:
+                seen.add(id(state))
+                states.append(state)
+    for state in states:
+        state.unit.shards.check_materialized()
+    for state in states:
+        state.root = root
+        state.ctx = None
+    if root.make_step is None:
+        raise RuntimeError(f"internal error in fsdp_compose: {root.unit.owner_name} has no step factory")
+    root.ctx = root.make_step(root, states)
+    logger.debug("lazy init: root %s with %d units", root.unit.owner_name, len(states))
+
+
+def _wrap_inputs(state: ShardState, args: tuple[Any, ...], kwargs: dict[str, Any], entry: _Entry) -> tuple[Any, Any]:
+    needing = _unique(t for t in tensors_in((args, kwargs)) if t.requires_grad)
+    if not needing or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in needing):
+        return args, kwargs  # nothing to hook (or a torch.func transform): the final callback finishes this call
+    wrapped = _PostBackward.apply(state, *needing)
+    entry.post = weakref.ref(wrapped[0].grad_fn)
+    replacement = {id(old): new for old, new in zip(needing, wrapped, strict=True)}
+    new_args, new_kwargs = map_tensors(lambda t: replacement.get(id(t), t), (args, kwargs))
+    return new_args, new_kwargs
+
+
+def _note_recomputable(entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A call under no_grad on inputs that need grad may be a reentrant checkpoint's forward: keep them (weakly)."""
+    needing = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+    entry.inputs = [weakref.ref(t) for t in needing] if needing else None
 
 
 def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entry: _Entry, output: Any) -> Any:

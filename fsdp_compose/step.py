@@ -183,6 +183,7 @@ class StepContext:
         awaiting: dict[int, int] = {}
         for state in self.states:
             calls = running_calls[id(state)]
+            state.recomputes_due = sum(1 for e in calls if e.inputs is not None)
             if calls:
                 observable = all(e.post_backward_runs() for e in calls)
                 awaiting[id(state)] = len(calls) if observable else -1
@@ -239,6 +240,7 @@ class StepContext:
             bp.complete()
             for state in self.states:
                 state.unit.grads.flags_needed = True  # what reduces outside a backward cannot know who has what
+                state.recomputes_due = 0
             for state in bp.gather_order:
                 grads = state.unit.grads
                 grads.settle()  # the one point where the host waits for device-to-host copies of gradients

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 import fsdp_compose as fc
 from tests.dist_utils import local_batch, max_param_diff, mesh_1d
@@ -434,3 +435,95 @@ def _kept_branch_accumulation(rank: int, ws: int) -> float:
 @pytest.mark.parametrize("ws", [2, 4])
 def test_kept_branch_some_ranks_skip_through_accumulation(run_dist, ws: int) -> None:
     assert max(run_dist(ws, _kept_branch_accumulation)) <= 1e-5
+
+
+# ------------------------------------------------------------------ reentrant activation checkpointing
+class _Checkpointed(nn.Module):
+    """Blocks under ``torch.utils.checkpoint(use_reentrant=True)``: each block's forward runs under no_grad, and its
+    backward recomputes it inside the backward and runs a nested backward through it. ``skip_last``: the last
+    block's output reaches the loss on even ranks only. ``no_grad_probe``: block 0 is also called under no_grad on an
+    input that needs grad and never recomputed (a target computed inside forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM)) for _ in range(3)
+        )
+        self.out = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor, reentrant: bool, use_last: bool, no_grad_probe: bool) -> torch.Tensor:
+        h = self.inp(x)
+        probe = None
+        if no_grad_probe:
+            with torch.no_grad():
+                probe = self.blocks[0](h)
+        for i, block in enumerate(self.blocks):
+            run = (lambda b, t: checkpoint(b, t, use_reentrant=True)) if reentrant else (lambda b, t: b(t))
+            step = run(block, h)
+            h = h + step if (use_last or i < len(self.blocks) - 1) else h + 0 * step.detach()
+        out = self.out(h)
+        return out if probe is None else out + (probe.sum() - probe.sum().detach())
+
+
+def _reentrant(rank: int, ws: int, impl: str, per_rank: bool, no_grad_probe: bool) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    reference = _Checkpointed()
+    model = copy.deepcopy(reference)
+    mesh = mesh_1d(ws)
+    shard = fc.fully_shard if impl == "fc" else torch_fully_shard
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses = []
+    with _recording_collectives() as record:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(2 * ws, DIM, generator=g)
+            ref_opt.zero_grad()
+            total = sum(
+                reference(local_batch(x, r, ws), False, not per_rank or r % 2 == 0, no_grad_probe).pow(2).mean()
+                for r in range(ws)
+            )
+            (total / ws).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            loss = model(local_batch(x, rank, ws), True, not per_rank or rank % 2 == 0, no_grad_probe).pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+    counts: dict[str, int] = {}
+    for events in record.values():
+        for kind, _ in events:
+            counts[kind] = counts.get(kind, 0) + 1
+    return {"diff": max_param_diff(model, reference), "record": record, "counts": counts, "losses": losses}
+
+
+@pytest.mark.parametrize("ws", [1, 2, 4])
+def test_reentrant_checkpoint_trains_like_torch_fully_shard(run_dist, ws: int) -> None:
+    """Each block's backward happens in a nested backward of its recompute: its gradients are reduced when that
+    nested backward is through it (not lost, not left for the end of backward), as many collectives as torch's."""
+    ours = run_dist(ws, _reentrant, "fc", False, False)
+    theirs = run_dist(ws, _reentrant, "torch", False, False)
+    for o, t in zip(ours, theirs, strict=True):
+        assert o["diff"] <= 1e-5
+        assert t["diff"] <= 1e-5
+        assert o["losses"] == pytest.approx(t["losses"], abs=1e-6)
+        if ws > 1:
+            assert o["counts"]["reduce_scatter"] == t["counts"]["reduce_scatter"] == 3 * 4
+            assert o["counts"]["all_gather"] == t["counts"]["all_gather"]
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("no_grad_probe", [False, True], ids=["per-rank-branch", "no-grad-probe-too"])
+def test_reentrant_checkpoint_with_a_block_some_ranks_skip(run_dist, ws: int, no_grad_probe: bool) -> None:
+    """The last checkpointed block reaches the loss on even ranks only (the agreement makes every rank reduce it);
+    with the probe, block 0 also runs under no_grad on an input that needs grad and is never recomputed."""
+    results = run_dist(ws, _reentrant, "fc", True, no_grad_probe)
+    for result in results:
+        assert result["diff"] <= 1e-5
+        assert result["record"] == results[0]["record"]

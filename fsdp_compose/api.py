@@ -264,7 +264,7 @@ def set_optimizer_in_backward(
         if not params:
             continue
         opt = optimizer(params)  # type: ignore[arg-type]
-        state.unit.grads.on_finished = _StepInBackward(state, opt)
+        state.unit.grads.delivery.on_finished = _StepInBackward(state, opt)
         built.append(opt)
     return built
 

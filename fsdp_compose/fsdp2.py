@@ -124,8 +124,8 @@ def _set_all_reduce_hook(
         raise TypeError(f"set_all_reduce_hook: hook must be callable as hook(reduce_output), got {type(hook).__name__}")
     if stream is not None and state.unit.dp.replicate_group is not None:
         raise ValueError("stream cannot be set when using native HSDP")  # FSDP2's check and message
-    state.unit.grads.reduced_hook = hook
-    state.unit.grads.reduced_hook_stream = stream
+    state.unit.grads.delivery.reduced_hook = hook
+    state.unit.grads.delivery.reduced_hook_stream = stream
 
 
 def _set_unshard_async_op(module: nn.Module, async_op: bool) -> None:

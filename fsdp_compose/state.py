@@ -342,7 +342,7 @@ class ShardState:
         self.kept_unsharded = False
         unit.start_unshard(compute_dtype, async_op=False, stream=self.gather_stream)
         unit.finish_unshard()
-        unit.grads.note_accumulators()
+        unit.grads.input.note_accumulators()
         self.opened = True
         self.entered = True
         self.opening_needs_backward = False

@@ -161,7 +161,9 @@ class StepContext:
         checks = any(state.collective_checks for state in self.states)
         # Per parameter: will this rank have a gradient for it (its unit's reduce-scatter needs no flags when some
         # rank will, for every trainable parameter of the unit)
-        expected = [mp.trainable and s.unit.grads.expects_gradient(mp) for s in self.states for mp in s.unit.params]
+        expected = [
+            mp.trainable and s.unit.grads.input.expects_gradient(mp) for s in self.states for mp in s.unit.params
+        ]
         try:
             agreed = agree_on_backward(self.schedule, reached, abandoning=False, checks=checks, expected=expected)
         except RuntimeError:
@@ -239,7 +241,7 @@ class StepContext:
                 return
             bp.complete()
             for state in self.states:
-                state.unit.grads.flags_needed = True  # what reduces outside a backward cannot know who has what
+                state.unit.grads.input.flags_needed = True  # what reduces outside a backward cannot know who has what
                 state.recomputes_due = 0
             for state in bp.gather_order:
                 grads = state.unit.grads
@@ -340,7 +342,9 @@ def _decide_flag_columns(states: list[ShardState], gradient_somewhere: list[bool
         grads = state.unit.grads
         agreed = gradient_somewhere[index : index + len(state.unit.params)]
         index += len(state.unit.params)
-        grads.flags_needed = not all(got for mp, got in zip(state.unit.params, agreed, strict=True) if mp.trainable)
+        grads.input.flags_needed = not all(
+            got for mp, got in zip(state.unit.params, agreed, strict=True) if mp.trainable
+        )
 
 
 def _wait_after(gather_order: list[ShardState]) -> dict[int, int]:

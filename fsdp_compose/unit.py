@@ -317,8 +317,8 @@ class ShardedUnit:
 def _carry_settings(old: UnitGradients, new: UnitGradients) -> None:
     """The user's settings of a gradient side (divide factor, FSDP2's all-reduce hook and unused-parameter mode)."""
     new.divide_factor = old.divide_factor
-    new.reduced_hook = old.reduced_hook
-    new.reduced_hook_stream = old.reduced_hook_stream
+    new.delivery.reduced_hook = old.delivery.reduced_hook
+    new.delivery.reduced_hook_stream = old.delivery.reduced_hook_stream
     new.zero_unused = old.zero_unused
 
 
@@ -326,6 +326,6 @@ def _rebuilt_gradients(old: UnitGradients, spec: ReduceSpec, params: list[Manage
     """The gradient side for new dtypes, keeping its settings and the callbacks set on the old one."""
     new = UnitGradients(spec, params)
     _carry_settings(old, new)
-    new.on_finished = old.on_finished
+    new.delivery.on_finished = old.delivery.on_finished
     new.make_room = old.make_room
     return new

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compose as fc
-import fsdp_compose.grads as grads_module
+import fsdp_compose.delivery as delivery_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.step import StepContext
 from tests.dist_utils import full_value, local_batch, mesh_1d, reference_and_copy, shard_gpt
@@ -58,7 +58,7 @@ def _with_recording_events(run: Any) -> list[tuple[str, bool]]:
     """Run ``run()`` with recording events; returns (what, inside the final callback) per event call."""
     log: list[tuple[str, bool]] = []
     where = {"final": False}
-    real_record, real_final = grads_module.record_event, StepContext._final_callback
+    real_record, real_final = delivery_module.record_event, StepContext._final_callback
 
     def final(self: StepContext) -> None:
         where["final"] = True
@@ -67,12 +67,12 @@ def _with_recording_events(run: Any) -> list[tuple[str, bool]]:
         finally:
             where["final"] = False
 
-    grads_module.record_event = lambda device: _RecordingEvent(log, where)  # type: ignore[assignment,return-value]
+    delivery_module.record_event = lambda device: _RecordingEvent(log, where)  # type: ignore[assignment,return-value]
     StepContext._final_callback = final  # type: ignore[method-assign]
     try:
         run()
     finally:
-        grads_module.record_event = real_record
+        delivery_module.record_event = real_record
         StepContext._final_callback = real_final  # type: ignore[method-assign]
     return log
 

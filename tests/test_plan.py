@@ -235,6 +235,7 @@ def test_cli_table_json_and_sweep_plot(tmp_path: Path, capsys: pytest.CaptureFix
     assert plan_cli([*args, "--world-size", "16", "--json", str(one)]) == 0
     table = capsys.readouterr().out
     assert "peak during backward" in table and "all_gather" in table and "note:" in table
+    assert "backward all-gathers: root -> blocks.0" in table and "reductions: blocks.0 -> root" in table
     payload = json.loads(one.read_text())
     assert payload["measured"]["mesh"] == {"shard": 16}
     assert payload["analytic"]["state"]["params"] == payload["measured"]["sharded_param_bytes"]

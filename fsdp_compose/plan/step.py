@@ -404,7 +404,8 @@ def schedule_record(model: nn.Module, units: dict[str, nn.Module]) -> dict[str, 
     """The engine's declared schedule of the sharded root ``model`` (``fsdp_compose.schedule.StepSchedule``, built by
     the function ``fc.describe_schedule`` uses) as data, each unit named as in ``units`` (its key: ``"root"``,
     ``"blocks.3"``): ``units`` in registration order, each with its class names, whether it is the root, the
-    collectives it issues in a step and whether it frees its full parameters after forward (also at one rank); ``gather_order`` (backward all-gathers) and ``reduce_order``."""
+    collectives it issues in a step and whether it frees its full parameters after forward (also at one rank);
+    ``gather_order`` (backward all-gathers) and ``reduce_order``."""
     planner_names = {id(module): name for name, module in units.items()}
     states = states_under(model)
     names = {}

@@ -244,9 +244,10 @@ def parse_args(argv: list[str] | None) -> tuple[BenchArgs, argparse.Namespace]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rank", type=int, default=0, help="the rank whose live set is shown")
     parser.add_argument("--write", metavar="PATH", help="replace the peak-phases section of this markdown file")
+    parser.add_argument("--section", default="peak-phases", help="the marked section --write replaces")
     parser.add_argument("--json", metavar="PATH", help="also dump the raw results")
     ns = parser.parse_args(argv)
-    fields = {k: v for k, v in vars(ns).items() if k not in ("write", "json", "configs", "rank")}
+    fields = {k: v for k, v in vars(ns).items() if k not in ("write", "json", "configs", "rank", "section")}
     bench = BenchArgs(configs=tuple(dict.fromkeys(ns.configs)), steps=1, warmup=0, memory=True, **fields)
     return bench, ns
 
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(ns.json).write_text(json.dumps(results, indent=1))
     if ns.write:
         target = Path(ns.write) if Path(ns.write).is_absolute() else REPO / ns.write
-        write_section(target, text + "\n", name="peak-phases")
+        write_section(target, text + "\n", name=ns.section)
         print(f"wrote {target}")
 
 

@@ -18,9 +18,10 @@ and :class:`_Walk` replays its rules:
 What the units compute between those events is the GPT's, in closed form. Notation (elements; fp32 = 4 bytes each):
 ``N = batch x seq`` tokens, ``D`` width, ``F = mlp_ratio x D``, ``H`` heads, ``V`` vocabulary, ``P`` the learned
 positions, ``S`` shard-group size. Per unit ``u``: ``seg_u`` the padded segment (analytic.py), ``full_u`` its unsharded
-elements (its full gradients), ``Z_u`` its 0-dim trainable parameters; full parameters and all-gather buffer ``S seg_u``
-each (the full parameters live in one padded buffer, see unit.py), reduce-scatter input ``S (seg_u + Z_u)`` and output
-``seg_u + Z_u`` (a 0-dim parameter's gradient is a column of its own; no other column).
+elements (its full gradients), ``Z_u`` its 0-dim trainable parameters; full parameters and all-gather buffer
+``S seg_u`` each (the full parameters live in one padded buffer, see full_params.py), reduce-scatter input
+``S (seg_u + Z_u)`` and output ``seg_u + Z_u`` (a 0-dim gradient is a column of its own; "had a gradient" flag columns
+come only where a backward cannot promise every gradient, see grads.py: never in this model).
 
 Activations one block keeps for backward: ``A = 16 N D + H N + 4 N`` (LayerNorm inputs and outputs, the qkv
 projection ``3 N D``, attention output ``N D`` and log-sum-exp ``H N``, MLP hidden before and after GELU ``2 N F``,

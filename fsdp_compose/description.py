@@ -406,9 +406,10 @@ def _render(module: nn.Module, units: list[UnitDescription], unmanaged: list[str
     return "\n".join(lines)
 
 
-def describe_schedule(module: nn.Module) -> str:
-    """The collective schedule of the sharded ``module`` (the root of its units), before or after it ran: per unit in
-    registration order the collectives it issues, then the orders a backward walks them in."""
+def step_schedule(module: nn.Module, names: dict[int, str] | None = None) -> StepSchedule:
+    """The declared collective schedule of the sharded root ``module``, as the engine builds it for a step (every
+    unit under it in registration order; ``StepContext`` makes the same from the same list). ``names``: id(state) ->
+    the name to give each unit (default: its module paths under ``module``)."""
     root = get_state(module)
     if root is None:
         raise ValueError(
@@ -420,9 +421,18 @@ def describe_schedule(module: nn.Module) -> str:
             "describe the root"
         )
     states = _states_under(module)
-    paths = {id(m): name or "(root)" for name, m in module.named_modules()}
-    names = {
-        id(s): "[" + ", ".join(paths[id(m)] for m in s.modules) + "]" if len(s.modules) > 1 else paths[id(s.modules[0])]
-        for s in states
-    }
-    return StepSchedule(root, states, names).describe()
+    if names is None:
+        paths = {id(m): name or "(root)" for name, m in module.named_modules()}
+        names = {
+            id(s): "[" + ", ".join(paths[id(m)] for m in s.modules) + "]"
+            if len(s.modules) > 1
+            else paths[id(s.modules[0])]
+            for s in states
+        }
+    return StepSchedule(root, states, names)
+
+
+def describe_schedule(module: nn.Module) -> str:
+    """The collective schedule of the sharded ``module`` (the root of its units), before or after it ran: per unit in
+    registration order the collectives it issues, then the orders a backward walks them in."""
+    return step_schedule(module).describe()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import fsdp_compose.plan as fp
 from fsdp_compose.plan.__main__ import main as plan_cli
-from fsdp_compose.plan.analytic import sharded_state
+from fsdp_compose.plan.analytic import segment_numel, sharded_state
 from fsdp_compose.plan.models import GPT, GPTConfig
 from fsdp_compose.plan.simulate import fake_process_group, fake_tensors
 from fsdp_compose.plan.step import ParamInfo, PlanConfig, build_mesh, measure_step
@@ -164,6 +164,69 @@ def test_simulated_ranks_match_analytic_model(
     assert record.collectives["reduce_scatter"]["shard"]["bytes"] == result.min_collectives["reduce_scatter"]
 
 
+# ---------------------------------------------------------------------- the engine's schedule
+def gpt_with_units(units: str = "0,1", **fields: Any) -> fp.ModelSpec:
+    """A planner model factory: the GPT with only the blocks listed in ``units`` sharded as units, in that order
+    (the others belong to the root)."""
+    cfg = GPTConfig(**fields)
+    model = GPT(cfg)
+    chosen = [model.blocks[int(i)] for i in units.split(",") if i]
+    spec = fp.load_model_spec("gpt", fields)
+    return fp.ModelSpec(model, chosen, spec.make_batch, spec.loss, description=asdict(cfg))
+
+
+@pytest.mark.parametrize("units", ["0,1,2", "2,0", "1", ""])
+def test_peak_model_follows_the_engine_schedule(units: str) -> None:
+    """The peak model takes its order of events from the engine's declared schedule of the model it plans: with a
+    different set of units (blocks 1 and 3 in the root; the units sharded out of order; the root alone) its
+    all-gathers follow registration order in forward and ``gather_order`` in backward, its reduce-scatters
+    ``reduce_order``, each as the engine issued them in the simulated step (kind and bytes in the recorder's order),
+    and its peaks stay within 5% of the measured ones."""
+    config = PlanConfig(
+        model="tests.test_plan:gpt_with_units",
+        model_args={**SMALL_GPT, "n_layers": 3, "units": units},
+        world_size=4,
+        batch_size=2,
+    )
+    result = fp.plan(config)
+    record, model = result.record, result.peak_model
+    assert model is not None
+    schedule = record.schedule
+    expected_units = ["root", *(f"blocks.{i}" for i in sorted(int(i) for i in units.split(",") if i))]
+    assert [u["name"] for u in schedule["units"]] == expected_units  # registration order, whatever the call order
+    assert schedule["gather_order"] == ["root", *reversed(expected_units[1:])]
+    assert schedule["reduce_order"] == [*reversed(expected_units[1:]), "root"]
+    collectives = {u["name"]: u["collectives"] for u in schedule["units"]}
+    events = model.events
+    assert [u for phase, kind, u in events if phase == "forward" and kind == "all_gather"] == expected_units
+    backward_gathers = [u for u in schedule["gather_order"] if "all_gather(backward)" in collectives[u]]
+    assert [u for phase, kind, u in events if phase == "backward" and kind == "all_gather"] == backward_gathers
+    assert [u for _, kind, u in events if kind == "reduce_scatter"] == schedule["reduce_order"]
+    # the same collectives, in the same order, as the engine issued them (the agreement's all-reduce aside)
+    segments = {name: segment_numel(infos, config.shard) for name, infos in record.unit_params.items()}
+    issued = [(kind, nbytes) for kind, group, nbytes in record.collective_sequence if kind != "all_reduce"]
+    assert [kind for kind, _ in issued] == [kind for _, kind, _ in events]
+    for (kind, nbytes), (_, _, unit) in zip(issued, events, strict=True):
+        assert nbytes == 4 * config.shard * segments[unit], (kind, unit)  # fp32, no 0-dim parameters, no flags
+    for phase, peak in model.peaks.items():
+        assert record.peaks[phase] == pytest.approx(peak, rel=0.05), phase
+
+
+def test_peak_model_reads_the_orders_it_is_given() -> None:
+    """The peak model has no order of its own: a record whose schedule says other orders gets events in those
+    orders (here: the backward all-gathers and the reductions in registration order instead of reversed)."""
+    config = PlanConfig(model="gpt", model_args={**SMALL_GPT, "n_layers": 3}, world_size=4, batch_size=2)
+    record = fp.plan(config).record
+    schedule = dict(record.schedule)
+    names = [u["name"] for u in schedule["units"]]
+    schedule["gather_order"] = names
+    schedule["reduce_order"] = [*names[1:], names[0]]
+    changed = fp.peak_model(config, replace(record, schedule=schedule))
+    assert changed is not None
+    assert [u for phase, kind, u in changed.events if phase == "backward" and kind == "all_gather"] == names[1:]
+    assert [u for _, kind, u in changed.events if kind == "reduce_scatter"] == schedule["reduce_order"]
+
+
 # ---------------------------------------------------------------------- CLI
 def test_cli_table_json_and_sweep_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     one = tmp_path / "plan.json"
@@ -171,6 +234,7 @@ def test_cli_table_json_and_sweep_plot(tmp_path: Path, capsys: pytest.CaptureFix
     assert plan_cli([*args, "--world-size", "16", "--json", str(one)]) == 0
     table = capsys.readouterr().out
     assert "peak during backward" in table and "all_gather" in table and "note:" in table
+    assert "backward all-gathers: root -> blocks.0" in table and "reductions: blocks.0 -> root" in table
     payload = json.loads(one.read_text())
     assert payload["measured"]["mesh"] == {"shard": 16}
     assert payload["analytic"]["state"]["params"] == payload["measured"]["sharded_param_bytes"]

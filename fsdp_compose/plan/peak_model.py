@@ -1,24 +1,38 @@
 """An analytic model of one rank's live bytes through a training step of the GPT preset (docs/planner.md).
 
 The model replays, allocation by allocation, what a step of the preset GPT keeps alive on one rank under
-fsdp_compose (1-D mesh, fp32, blocks resharded after forward, the root kept, AdamW / SGD per-parameter loop,
-no activation checkpointing), with sizes in closed form. Notation (elements; fp32 = 4 bytes each): ``N = batch x
-seq`` tokens, ``D`` width, ``F = mlp_ratio x D``, ``H`` heads, ``V`` vocabulary, ``P`` the learned positions,
-``S`` shard-group size. Per unit ``u``: ``seg_u`` the padded segment (analytic.py),
-``full_u`` its unsharded elements (its full gradients); full parameters and all-gather buffer
-``S seg_u`` each (the full parameters live in one padded buffer, see unit.py), reduce-scatter input
-``S (seg_u + Z_u)`` and output ``seg_u + Z_u`` (``Z_u``: its trainable 0-dim parameters; none in the preset).
+fsdp_compose (1-D mesh, fp32, AdamW / SGD per-parameter loop, no activation checkpointing), with sizes in closed form.
+*When* each unit gathers, reshards and reduces is not restated here: it is read from the engine's declared schedule
+of the measured model (``StepRecord.schedule``: ``fsdp_compose.schedule.StepSchedule``, the object the step walks),
+and :class:`_Walk` replays its rules:
+
+- forward: a unit is gathered when its first module is entered (all-gather, copy-out), then the next unit in
+  registration order is prefetched; a unit that reshards after forward (``all_gather(backward)`` among its
+  collectives when it has peers) frees its full parameters at the end of its forward;
+- backward: the gather cursor walks ``gather_order`` (each unit passed is gathered, the one needed now copied out,
+  then the next one in the order prefetched); a unit's backward done: reshard, stage its gradients into a
+  reduce-scatter input (before that, the oldest reduction in flight completes when one is already in flight: the
+  window of one), and the reduce cursor issues reductions in ``reduce_order`` as far as their units are done; the
+  final callback completes the rest.
+
+What the units compute between those events is the GPT's, in closed form. Notation (elements; fp32 = 4 bytes each):
+``N = batch x seq`` tokens, ``D`` width, ``F = mlp_ratio x D``, ``H`` heads, ``V`` vocabulary, ``P`` the learned
+positions, ``S`` shard-group size. Per unit ``u``: ``seg_u`` the padded segment (analytic.py), ``full_u`` its unsharded
+elements (its full gradients), ``Z_u`` its 0-dim trainable parameters; full parameters and all-gather buffer
+``S seg_u`` each (the full parameters live in one padded buffer, see full_params.py), reduce-scatter input
+``S (seg_u + Z_u)`` and output ``seg_u + Z_u`` (a 0-dim gradient is a column of its own; "had a gradient" flag columns
+come only where a backward cannot promise every gradient, see grads.py: never in this model).
 
 Activations one block keeps for backward: ``A = 16 N D + H N + 4 N`` (LayerNorm inputs and outputs, the qkv
 projection ``3 N D``, attention output ``N D`` and log-sum-exp ``H N``, MLP hidden before and after GELU ``2 N F``,
-the two residual sums; two mean/rstd pairs ``4 N``). The steps of the schedule (each ``+`` an allocation, each
-``-`` a release) are in :func:`_forward` and :func:`_backward`; the peak of a phase is the largest running sum.
+the two residual sums; two mean/rstd pairs ``4 N``). A block that is not a unit of its own belongs to the root: its
+parameters are gathered, and its gradients reduced, with the root's. The peak of a phase is the largest running sum.
 Configurations outside this scope get no model (``None``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,10 +44,12 @@ __all__ = ["PeakModel", "peak_model"]
 
 @dataclass(frozen=True)
 class PeakModel:
-    """Modelled peak bytes per phase, and the live bytes at each peak by term."""
+    """Modelled peak bytes per phase, the live bytes at each peak by term, and the collectives the model replayed in
+    order (``(phase, kind, unit)``: ``kind`` ``"all_gather"`` or ``"reduce_scatter"``)."""
 
     peaks: dict[str, int]
     at_peak: dict[str, dict[str, int]] = field(default_factory=dict)
+    events: list[tuple[str, str, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,7 +77,8 @@ class _Schedule:
     def free(self, term: str, n: int) -> None:
         self.live[term] = self.live.get(term, 0) - n
         self.total -= n
-        assert self.live[term] >= 0, term
+        if self.live[term] < 0:
+            raise RuntimeError(f"internal error in the peak model: {term} went negative in {self.phase}")
 
     def _note(self) -> None:
         if self.total > self.peaks.get(self.phase, -1):
@@ -85,9 +102,11 @@ class _Gpt:
 class _Unit:
     full: int  # unsharded elements: the full gradients
     gathered: int  # S * seg: the full parameters live in one padded buffer (each slot S x its padded shard)
-    gather: int  # S * seg
-    rs_in: int  # S * (seg + T)
-    rs_out: int  # seg + T
+    gather: int  # S * seg when the unit all-gathers (its schedule says so), else 0
+    rs_in: int  # S * (seg + Z) when the unit reduce-scatters, else 0
+    rs_out: int  # seg + Z
+    trainable: bool  # has trainable parameters: its gradients are reduced (copied out at one rank)
+    reshards_after_forward: bool  # frees its full parameters after forward (all_gather(backward) when S > 1)
 
 
 ACT = "activations"
@@ -99,22 +118,111 @@ RS_OUT = "reduce-scatter output"
 TEMP = "backward temporaries"
 
 
-def _forward(s: _Schedule, m: _Gpt, blocks: Sequence[_Unit], root: _Unit) -> None:
+class _Walk:
+    """The engine's schedule replayed on the running sum: who is gathered, the two backward cursors, the window."""
+
+    def __init__(self, s: _Schedule, units: Mapping[str, _Unit], schedule: Mapping[str, Any]) -> None:
+        self.s = s
+        self.units = units
+        self.registration: list[str] = [u["name"] for u in schedule["units"]]
+        self.gather_order: list[str] = list(schedule["gather_order"])
+        self.reduce_order: list[str] = list(schedule["reduce_order"])
+        self.where: dict[str, str] = dict.fromkeys(units, "sharded")  # "sharded", "in flight" or "gathered"
+        self.events: list[tuple[str, str, str]] = []
+        self.gather_cursor = 0
+        self.reduce_cursor = 0
+        self.done: set[str] = set()
+        self.staged: set[str] = set()
+        self.reducing: list[str] = []  # reductions whose input is alive, oldest first
+
+    # ------------------------------------------------------------------ gathering
+    def _start_gather(self, name: str) -> None:
+        if self.where[name] != "sharded":
+            return
+        unit = self.units[name]
+        self.s.add(AG, unit.gather)
+        if unit.gather:
+            self.events.append((self.s.phase, "all_gather", name))
+        self.where[name] = "in flight"
+
+    def _gather_now(self, name: str) -> None:
+        """Copy-out of the unit's all-gather (issued now unless prefetched)."""
+        if self.where[name] == "gathered":
+            return
+        self._start_gather(name)
+        unit = self.units[name]
+        self.s.add(GATHERED, unit.gathered)
+        self.s.free(AG, unit.gather)
+        self.where[name] = "gathered"
+
+    def reshard(self, name: str) -> None:
+        if self.where[name] == "gathered":
+            self.s.free(GATHERED, self.units[name].gathered)
+            self.where[name] = "sharded"
+
+    def enter_forward(self, name: str) -> None:
+        """A unit's pre-forward: gather it, prefetch the next unit in registration order."""
+        self._gather_now(name)
+        index = self.registration.index(name)
+        if index + 1 < len(self.registration):
+            self._start_gather(self.registration[index + 1])
+
+    def end_forward(self, name: str) -> None:
+        if self.units[name].reshards_after_forward:
+            self.reshard(name)
+
+    def enter_backward(self, name: str) -> None:
+        """A unit's pre-backward: the gather cursor passes every unit up to it (each gathered, this one copied out),
+        each followed by the prefetch of the next one in the order."""
+        target = self.gather_order.index(name)
+        while self.gather_cursor <= target:
+            passed = self.gather_order[self.gather_cursor]
+            self.gather_cursor += 1
+            if passed == name:
+                self._gather_now(passed)
+            else:
+                self._start_gather(passed)
+            if self.gather_cursor < len(self.gather_order):
+                self._start_gather(self.gather_order[self.gather_cursor])
+
+    # ------------------------------------------------------------------ reductions
+    def end_backward(self, name: str) -> None:
+        """A unit's post-backward: reshard, stage its gradients (after room is made), issue reductions in order."""
+        self.reshard(name)
+        unit = self.units[name]
+        if unit.rs_in:
+            while len(self.reducing) >= 1:
+                self.s.free(RS_IN, self.units[self.reducing.pop(0)].rs_in)
+            self.s.add(RS_IN, unit.rs_in)
+        self.s.free(GRAD, unit.full)
+        self.done.add(name)
+        while self.reduce_cursor < len(self.reduce_order) and self.reduce_order[self.reduce_cursor] in self.done:
+            reduced = self.reduce_order[self.reduce_cursor]
+            self.reduce_cursor += 1
+            if self.units[reduced].trainable:
+                self.s.add(RS_OUT, self.units[reduced].rs_out)  # at one rank: the staged buffer's copy
+            if self.units[reduced].rs_in:
+                self.events.append((self.s.phase, "reduce_scatter", reduced))
+                self.reducing.append(reduced)
+
+    def finish(self) -> None:
+        """The final callback: wait for the reductions left."""
+        for name in self.reducing:
+            self.s.free(RS_IN, self.units[name].rs_in)
+        self.reducing = []
+
+
+def _forward(s: _Schedule, m: _Gpt, walk: _Walk, blocks: Mapping[int, str], root: str) -> None:
     n, d, f, h, v = m.n, m.d, m.f, m.h, m.v
     s.begin("forward")
-    s.add(AG, root.gather)  # root pre-forward: all-gather, copy out, free the buffer
-    s.add(GATHERED, root.gathered)
-    s.free(AG, root.gather)
-    if blocks:
-        s.add(AG, blocks[0].gather)  # prefetch of the first block
+    walk.enter_forward(root)
     s.add(ACT, n * d)  # token embedding
     s.add(ACT, n * d)  # x0 = embedding + positions
     s.free(ACT, n * d)
-    for i, block in enumerate(blocks):
-        s.add(GATHERED, block.gathered)  # copy out of the (prefetched) all-gather
-        s.free(AG, block.gather)
-        if i + 1 < len(blocks):
-            s.add(AG, blocks[i + 1].gather)  # prefetch of the next block
+    for i in range(m.layers):
+        unit = blocks.get(i)
+        if unit is not None:
+            walk.enter_forward(unit)
         s.add(ACT, n * d + 2 * n)  # ln1 output, mean/rstd
         s.add(ACT, 3 * n * d)  # qkv
         s.add(ACT, n * d + h * n)  # attention output, log-sum-exp
@@ -127,9 +235,11 @@ def _forward(s: _Schedule, m: _Gpt, blocks: Sequence[_Unit], root: _Unit) -> Non
         s.add(ACT, n * d)  # mlp projection (transient)
         s.add(ACT, n * d)  # x2
         s.free(ACT, n * d)
-        s.free(GATHERED, block.gathered)  # reshard after forward
+        if unit is not None:
+            walk.end_forward(unit)
     s.add(ACT, n * d + 2 * n)  # ln_f
     s.add(ACT, n * v)  # logits
+    walk.end_forward(root)
     s.add(ACT, 2 * n)  # targets made contiguous (int64)
     s.add(ACT, n * v)  # log-softmax
     s.add(ACT, 2)  # loss, total weight
@@ -176,7 +286,7 @@ def _block_backward(s: _Schedule, m: _Gpt) -> None:
     s.free(TEMP, 2 * n * d)
 
 
-def _backward(s: _Schedule, m: _Gpt, blocks: Sequence[_Unit], root: _Unit) -> None:
+def _backward(s: _Schedule, m: _Gpt, walk: _Walk, blocks: Mapping[int, str], root: str) -> None:
     n, d, v = m.n, m.d, m.v
     s.begin("backward")
     s.add(TEMP, 1)  # d loss
@@ -186,8 +296,7 @@ def _backward(s: _Schedule, m: _Gpt, blocks: Sequence[_Unit], root: _Unit) -> No
     s.add(TEMP, n * v)  # grad of the logits
     s.free(TEMP, n * v)
     s.free(ACT, n * v)  # and the saved log-probabilities
-    if blocks:
-        s.add(AG, blocks[-1].gather)  # root pre-backward: prefetch of the last block
+    walk.enter_backward(root)  # the root's outputs are the loss's inputs: its pre-backward comes first
     s.add(GRAD, v * d)  # head weight
     s.add(TEMP, n * d)  # grad of the ln_f output
     s.free(TEMP, n * v)
@@ -196,33 +305,20 @@ def _backward(s: _Schedule, m: _Gpt, blocks: Sequence[_Unit], root: _Unit) -> No
     s.add(GRAD, 2 * d)
     s.free(TEMP, n * d)
     s.free(ACT, n * d + 2 * n)  # grad of the ln_f output, saved x_L, mean/rstd
-    in_flight: _Unit | None = None
-    for i in reversed(range(len(blocks))):
-        block = blocks[i]
-        s.add(GATHERED, block.gathered)  # copy out of the prefetched all-gather
-        s.free(AG, block.gather)
-        if i > 0:
-            s.add(AG, blocks[i - 1].gather)
+    for i in reversed(range(m.layers)):
+        unit = blocks.get(i)
+        if unit is not None:
+            walk.enter_backward(unit)
         _block_backward(s, m)
-        s.free(GATHERED, block.gathered)  # reshard after backward
-        if in_flight is not None:
-            s.free(RS_IN, in_flight.rs_in)  # the previous reduce-scatter is waited for
-        s.add(RS_IN, block.rs_in)  # gradients copied into the reduce-scatter input ...
-        s.free(GRAD, block.full)  # ... and the full gradients released
-        s.add(RS_OUT, block.rs_out)
-        in_flight = block
+        if unit is not None:
+            walk.end_backward(unit)
     s.add(TEMP, m.t * d)  # positions: sum over the batch
     s.add(GRAD, m.p * d)  # padded to all positions
     s.free(TEMP, m.t * d)
     s.add(GRAD, v * d)  # token embedding
     s.free(TEMP, n * d)  # grad of x0
-    if in_flight is not None:
-        s.free(RS_IN, in_flight.rs_in)
-    s.free(GATHERED, root.gathered)  # the root reshards after backward
-    s.add(RS_IN, root.rs_in)
-    s.free(GRAD, root.full)
-    s.add(RS_OUT, root.rs_out)
-    s.free(RS_IN, root.rs_in)
+    walk.end_backward(root)
+    walk.finish()
     s.free(ACT, 2)  # the loss is released after backward
 
 
@@ -251,21 +347,36 @@ def _prod(shape: Sequence[int]) -> int:
 
 
 def _unsupported(config: PlanConfig, record: StepRecord) -> str | None:
-    if record.model.get("model") not in ("gpt", "gpt-124m"):
-        return "the analytic peak model covers the GPT presets"
+    desc = record.model
+    if any(desc.get(key) is None for key in ("dim", "mlp_ratio", "n_heads", "vocab_size", "n_layers", "seq_len")):
+        return "the analytic peak model covers the GPT (gpt.py)"
     if config.replicate > 1 or config.tp > 1:
         return "the analytic peak model covers 1-D meshes"
     if config.param_dtype not in (None, "fp32") or config.reduce_dtype not in (None, "fp32"):
         return "the analytic peak model covers fp32 training"
     if config.activation_checkpointing or config.reshard_after_forward is not True or config.foreach:
         return "the analytic peak model covers reshard_after_forward=True, no checkpointing, foreach=False"
-    if record.model.get("mlp_ratio") is None:
-        return "unknown model shape"
+    units = record.schedule.get("units")
+    if not units:
+        return "no schedule recorded"
+    for unit in units:
+        expected = ["GPT"] if unit["root"] else ["Block"]
+        if unit["classes"] != expected or (not unit["root"] and _block_index(unit["name"]) is None):
+            return "the analytic peak model covers the GPT's root and single blocks (blocks.i) as units"
     return None
 
 
+def _block_index(name: str) -> int | None:
+    prefix, _, index = name.partition(".")
+    return int(index) if prefix == "blocks" and index.isdigit() else None
+
+
 def peak_model(config: PlanConfig, record: StepRecord) -> PeakModel | None:
-    """The modelled peak bytes per phase of ``record``'s configuration, or ``None`` outside the model's scope."""
+    """The modelled peak bytes per phase of ``record``'s configuration, or ``None`` outside the model's scope.
+
+    The order of the collectives and of what they free is the engine's declared schedule of the measured model
+    (``record.schedule``); the sizes are closed forms of the GPT's shape (see the module docstring).
+    """
     if _unsupported(config, record) is not None:
         return None
     desc = record.model
@@ -282,30 +393,48 @@ def peak_model(config: PlanConfig, record: StepRecord) -> PeakModel | None:
     )
     shards = config.shard
 
-    def unit(infos: Sequence[ParamInfo]) -> _Unit:
+    def unit(infos: Sequence[ParamInfo], collectives: Sequence[str], reshards: bool) -> _Unit:
         seg = segment_numel(infos, shards)
-        tail = sum(1 for p in infos if p.trainable and not p.shape)  # 0-dim gradients (no flags: grads.py)
+        scalars = sum(1 for p in infos if p.trainable and not p.shape)
         full = sum(_prod(p.shape) for p in infos)
-        gather = shards * seg if shards > 1 else 0
-        rs_in = shards * (seg + tail) if shards > 1 else 0
-        return _Unit(full=full, gathered=shards * seg, gather=gather, rs_in=rs_in, rs_out=seg + tail)
+        gather = shards * seg if "all_gather(forward)" in collectives else 0
+        reduces = "reduce_scatter" in collectives
+        return _Unit(
+            full=full,
+            gathered=shards * seg,
+            gather=gather,
+            rs_in=shards * (seg + scalars) if reduces else 0,
+            rs_out=seg + scalars,
+            trainable=any(p.trainable for p in infos),
+            reshards_after_forward=reshards,
+        )
 
-    units = record.unit_params
-    blocks = [unit(units[f"blocks.{i}"]) for i in range(m.layers)]
-    root = unit(units["root"])
-    state = sharded_state(units, config)
+    schedule = record.schedule
+    units = {
+        u["name"]: unit(record.unit_params[u["name"]], u["collectives"], u["reshards_after_forward"])
+        for u in schedule["units"]
+    }
+    root = next(u["name"] for u in schedule["units"] if u["root"])
+    blocks: dict[int, str] = {}
+    for name in units:
+        index = _block_index(name)
+        if name != root and index is not None:
+            blocks[index] = name
+    state = sharded_state(record.unit_params, config)
     batch = config.batch_size * (record.seq_len + 1) * 8
     start = {
         "sharded parameters": state.params // 4,
         "optimizer state": state.optimizer // 4,
         "batch": batch // 4,
     }
-    schedule = _Schedule(start)
-    _forward(schedule, m, blocks, root)
-    _backward(schedule, m, blocks, root)
+    running = _Schedule(start)
+    walk = _Walk(running, units, schedule)
+    _forward(running, m, walk, blocks, root)
+    _backward(running, m, walk, blocks, root)
     shard_rank = config.rank % shards
-    _optimizer(schedule, config, record.optimizer_shapes, shard_rank)
+    _optimizer(running, config, record.optimizer_shapes, shard_rank)
     return PeakModel(
-        peaks={phase: 4 * total for phase, total in schedule.peaks.items()},
-        at_peak={phase: {k: 4 * v for k, v in live.items()} for phase, live in schedule.at_peak.items()},
+        peaks={phase: 4 * total for phase, total in running.peaks.items()},
+        at_peak={phase: {k: 4 * v for k, v in live.items()} for phase, live in running.at_peak.items()},
+        events=walk.events,
     )

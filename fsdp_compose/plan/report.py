@@ -122,9 +122,22 @@ def _collectives(result: PlanResult) -> list[str]:
     return _table(rows, right=(2, 3, 4, 5))
 
 
+def _schedule(result: PlanResult) -> list[str]:
+    """The engine's declared schedule of the planned model (what fc.describe_schedule prints), in one line each."""
+    schedule = result.record.schedule
+    if not schedule:
+        return []
+    return [
+        "schedule (the engine's): units " + ", ".join(u["name"] for u in schedule["units"]) + " (registration order)",
+        "  backward all-gathers: " + " -> ".join(schedule["gather_order"]),
+        "  reductions: " + " -> ".join(schedule["reduce_order"]),
+        "",
+    ]
+
+
 def render(result: PlanResult) -> str:
     """The full text report of one plan."""
-    lines = [*_describe(result), "", *_memory(result)]
+    lines = [*_describe(result), "", *_schedule(result), *_memory(result)]
     for phase in ("forward", "backward"):
         lines += ["", *_composition(result, phase)]
     lines += [""] + _collectives(result) + [""] + [f"note: {note}" for note in result.notes]

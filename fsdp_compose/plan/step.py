@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 import fsdp_compose as fc
+from fsdp_compose.description import step_schedule
 from fsdp_compose.meshes import REDUCE_SCATTER_GROUP_DESC
 from fsdp_compose.recorder import CollectiveRecord, CollectiveRecorder
 from fsdp_compose.state import states_under
@@ -363,6 +364,8 @@ class StepRecord:
     backend_temporaries_bytes: int
     ops: int
     sharding_propagations: int  # DTensor sharding-propagation cache misses in the measured step (see _notes)
+    schedule: dict[str, Any] = field(default_factory=dict)  # the engine's declared schedule: see schedule_record
+    collective_sequence: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, group, bytes), in order
     unit_params: dict[str, list[ParamInfo]] = field(default_factory=dict, repr=False)
     optimizer_shapes: list[tuple[int, ...]] = field(default_factory=list, repr=False)
 
@@ -395,6 +398,36 @@ def _roll_up(labels: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
     ordered = {name: categories[name] for name in CATEGORIES if categories.get(name)}
     ordered.update({name: n for name, n in categories.items() if name not in ordered and n})
     return ordered, gathered
+
+
+def schedule_record(model: nn.Module, units: dict[str, nn.Module]) -> dict[str, Any]:
+    """The engine's declared schedule of the sharded root ``model`` (``fsdp_compose.schedule.StepSchedule``, built by
+    the function ``fc.describe_schedule`` uses) as data, each unit named as in ``units`` (its key: ``"root"``,
+    ``"blocks.3"``): ``units`` in registration order, each with its class names, whether it is the root, the
+    collectives it issues in a step and whether it frees its full parameters after forward (also at one rank);
+    ``gather_order`` (backward all-gathers) and ``reduce_order``."""
+    planner_names = {id(module): name for name, module in units.items()}
+    states = states_under(model)
+    names = {}
+    for state in states:
+        found = [planner_names[id(m)] for m in state.modules if id(m) in planner_names]
+        names[id(state)] = found[0] if found else state.unit.owner_name
+    schedule = step_schedule(model, names)
+    named = {id(u.state): u.name for u in schedule.units}
+    return {
+        "units": [
+            {
+                "name": u.name,
+                "root": u.is_root,
+                "classes": [type(m).__name__ for m in u.state.modules],
+                "collectives": u.collectives(),
+                "reshards_after_forward": u.state.reshard_after_forward,
+            }
+            for u in schedule.units
+        ],
+        "gather_order": [named[id(state)] for state in schedule.gather_order],
+        "reduce_order": [named[id(state)] for state in schedule.reduce_order],
+    }
 
 
 class _Step:
@@ -495,6 +528,7 @@ def measure_step(
             step.run()
         counter.close()
         misses = _sharding_cache_misses() - misses
+        schedule = schedule_record(model, setup.units)
     finally:
         watcher.remove()
     breakdown: dict[str, dict[str, int]] = {}
@@ -521,6 +555,8 @@ def measure_step(
         backend_temporaries_bytes=counter.ignored_peak_bytes,
         ops=counter.ops,
         sharding_propagations=misses,
+        schedule=schedule,
+        collective_sequence=[(r.kind, r.group, r.nbytes) for r in recorder.records],
         unit_params=setup.unit_params,
         optimizer_shapes=setup.optimizer_shapes,
     )

@@ -48,6 +48,8 @@ class BackwardWalk:
     done: set[int] = field(default_factory=set)  # ids finished here (gradients staged or accumulated)
     gathered: set[int] = field(default_factory=set)  # ids whose backward all-gather was issued (cursor or prefetch)
     reducing: list[ShardState] = field(default_factory=list)  # reductions whose input may be alive, oldest first
+    # id -> implicit prefetch targets of a unit gathered now, issued once its backward is done (post prefetch)
+    deferred: dict[int, list[ShardState]] = field(default_factory=dict)
 
     def position(self, state: ShardState) -> int | None:
         for index, candidate in enumerate(self.gather_order):
@@ -87,14 +89,22 @@ class BackwardWalk:
             self.gathered.add(id(passed))
             passed.start_gather(async_op=True)
         if passed.backward_prefetch is not None:
-            targets = [t for t in passed.backward_prefetch if self.takes_part(t)]
-        elif self.draining:
-            targets = []
-        else:
+            self._prefetch([t for t in passed.backward_prefetch if self.takes_part(t)])
+        elif not self.draining:
             following = self.gather_cursor  # the cursor already points past ``passed``
             targets = self.gather_order[following : following + 1]
+            if now and passed.backward_prefetch_post and id(passed) in self.reached_here:
+                self.deferred[id(passed)] = targets  # fc.set_backward_prefetch_post: after this unit's backward
+            else:
+                self._prefetch(targets)
+
+    def _prefetch(self, targets: list[ShardState], *, after_reductions: bool = False) -> None:
         for target in targets:
             if id(target) not in self.gathered:
+                if after_reductions:
+                    # The reduce-scatter input this unit is about to fill waits for the older ones anyway
+                    # (make_room): waiting first keeps them from living next to the prefetched all-gather output.
+                    self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
                 self.gathered.add(id(target))
                 target.start_gather(async_op=True)
 
@@ -112,6 +122,9 @@ class BackwardWalk:
 
     def _finish_unit(self, state: ShardState) -> None:
         """The unit's backward is done here: free its full parameters, then stage (or accumulate) its gradients."""
+        deferred = self.deferred.pop(id(state), None)
+        if deferred:
+            self._prefetch(deferred, after_reductions=True)  # fc.set_backward_prefetch_post
         self.done.add(id(state))
         target = self.position(state)
         if id(state) not in self.gathered and target is not None:
@@ -177,8 +190,12 @@ class BackwardWalk:
         those of the unit and of every unit run after its first call in forward (``wait_after``). Before that the
         input stays alive (memory, never a hang): in a model run in registration order that never happens.
         """
+        self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
+
+    def _wait_for_reductions(self, *, keep: int) -> None:
+        """Complete the oldest reductions in flight until at most ``keep`` remain (see ``make_room``)."""
         self.reap()
-        while len(self.reducing) >= self.max_reduce_inputs:
+        while len(self.reducing) > keep:
             oldest = self.reducing[0]
             if self.device.type == "cpu" and self.gather_cursor <= self.wait_after.get(
                 id(oldest), len(self.gather_order)

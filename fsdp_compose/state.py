@@ -193,6 +193,7 @@ class ShardState:
         # Prefetch targets set with fc.set_modules_to_*_prefetch (None: implicit, from the declared schedule).
         self.forward_prefetch: list[ShardState] | None = None
         self.backward_prefetch: list[ShardState] | None = None
+        self.backward_prefetch_post = False  # fc.set_backward_prefetch_post: after the unit's backward, not before
         # Set at lazy init.
         self.root: ShardState | None = None
         self.ctx: StepOwner | None = None  # on the root only

@@ -172,3 +172,39 @@ def test_backward_ending_an_accumulation_window_gathers_nothing_while_reducing(r
         # its side only in its final callback: tests/test_randomized.py found the deadlock); it is freed as soon as
         # it has completed, so overlap depends on timing and is not asserted.
         assert r["plain"]["issued"] == prefetched  # a step without accumulation prefetches as before
+
+
+def _post_prefetch(rank: int, ws: int, post: bool, micro_batches: int = 1) -> dict[str, Any]:
+    """States of the block before each block during that block's backward, the collectives, and the parity."""
+    cfg = GPTConfig(n_layers=4)
+    reference, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws))
+    if post:
+        fc.set_backward_prefetch_post(model)
+    seen: list[tuple[int, str]] = []
+
+    def watch(i: int) -> Any:
+        def forward_hook(module: Any, args: Any, output: torch.Tensor) -> None:
+            previous = fc.get_state(model.blocks[i - 1]).unit
+            output.register_hook(lambda g: seen.append((i, previous.state.value)))
+
+        return forward_hook
+
+    for i in range(1, 4):
+        model.blocks[i].mlp.register_forward_hook(watch(i))  # its gradient comes inside block i's backward
+    with fc.CollectiveRecorder() as recorder:
+        diff = train_pair(rank, ws, model, reference, cfg, steps=2, batch_size=8, micro_batches=micro_batches)
+    return {"diff": diff, "seen": seen, "counts": recorder.counts()}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_backward_prefetch_post_issues_the_next_gather_after_each_backward(run_dist, ws: int) -> None:
+    """fc.set_backward_prefetch_post: during block i's backward, block i-1's all-gather is not issued yet (by
+    default it is, from block i's pre-backward); same results and collectives, also through no-sync micro-batches."""
+    posts, defaults = run_dist(ws, _post_prefetch, True, 2), run_dist(ws, _post_prefetch, False)
+    for post, default in zip(posts, defaults, strict=True):
+        assert post["diff"] <= 1e-5 and default["diff"] <= 1e-5
+        synced = [state for _, state in post["seen"]]
+        assert synced and all(state == "sharded" for state in synced), post["seen"]
+        assert all(state in ("gathering", "unsharded") for _, state in default["seen"]), default["seen"]
+        assert post["counts"]["all_gather"] > 0

@@ -175,6 +175,7 @@ def test_mixed_dtypes_match_torchs_fully_shard(run_dist, ws: int, policy: str | 
         assert result["ours"]["all_gather"] == result["theirs"]["all_gather"], result
         assert result["ours"]["all_gather_bytes"] == result["theirs"]["all_gather_bytes"], result
         assert result["ours"]["reduce_scatter"] == result["theirs"]["reduce_scatter"], result
+        assert result["ours"]["reduce_scatter_bytes"] == result["theirs"]["reduce_scatter_bytes"], result
 
 
 def _lifecycle(rank: int, ws: int) -> dict[str, Any]:

@@ -170,6 +170,7 @@ def test_protocol_matches_torchs_fully_shard(run_dist, ws: int, hsdp: bool) -> N
             )
             assert result["ours"]["all_gather"] == result["theirs"]["all_gather"], result
             assert result["ours"]["reduce_scatter"] == result["theirs"]["reduce_scatter"], result
+            assert result["ours"]["reduce_scatter_bytes"] == result["theirs"]["reduce_scatter_bytes"], result
 
 
 def _refusals(rank: int, ws: int) -> list[str]:

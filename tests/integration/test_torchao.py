@@ -175,6 +175,7 @@ def test_nf4_qlora_matches_torchs_fully_shard(run_dist, ws: int) -> None:
         assert result["ours"]["all_gather"] == result["theirs"]["all_gather"], result
         assert result["ours"]["all_gather_bytes"] == result["theirs"]["all_gather_bytes"], result
         assert result["ours"]["reduce_scatter"] == result["theirs"]["reduce_scatter"], result
+        assert result["ours"]["reduce_scatter_bytes"] == result["theirs"]["reduce_scatter_bytes"], result
 
 
 def _float8_net() -> nn.Module:
@@ -228,3 +229,4 @@ def test_float8_all_gather_matches_torchs_fully_shard(run_dist, ws: int, precomp
         assert result["ours"]["all_gather"] == result["theirs"]["all_gather"], result
         assert result["ours"]["all_gather_bytes"] == result["theirs"]["all_gather_bytes"], result
         assert result["ours"]["reduce_scatter"] == result["theirs"]["reduce_scatter"], result
+        assert result["ours"]["reduce_scatter_bytes"] == result["theirs"]["reduce_scatter_bytes"], result

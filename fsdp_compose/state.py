@@ -84,7 +84,7 @@ class _Entry:
     run each of them: that is how a rank knows which units a backward uses before it uses them.
     """
 
-    __slots__ = ("always", "inputs", "post", "pre", "seq")
+    __slots__ = ("always", "anchor", "grad_enabled", "inputs", "post", "pre", "seq")
 
     def __init__(self, seq: int = 0) -> None:
         self.seq = seq  # the root's count of calls in this step when this one began: forward order
@@ -94,8 +94,14 @@ class _Entry:
         # A call under no_grad on inputs that need grad: a reentrant activation checkpoint's forward, whose backward
         # recomputes it inside the backward (see ``ShardState.recomputes_due``). Its inputs, weakly.
         self.inputs: list[weakref.ref[torch.Tensor]] | None = None
+        # Such a call whose inputs were made under no_grad too (inside the checkpoint's region): the root's call it
+        # ran in, whose backward is the one that recomputes it.
+        self.anchor: _Entry | None = None
+        self.grad_enabled = torch.is_grad_enabled()
 
     def alive(self) -> bool:
+        if self.anchor is not None:
+            return self.anchor.alive()
         if self.inputs is not None:
             return any(ref() is not None for ref in self.inputs)
         return self.always or (self.pre is not None and self.pre() is not None)
@@ -106,6 +112,8 @@ class _Entry:
         (autograd cannot see inside the checkpoint before it recomputes)."""
         if self.always:
             return True
+        if self.anchor is not None:
+            return self.anchor.runs_in_this_backward(running)
         if self.inputs is not None:
             nodes = [_gradient_node(t) for t in (ref() for ref in self.inputs) if t is not None]
             return any(node is running or bool(torch._C._will_engine_execute_node(node)) for node in nodes)
@@ -327,7 +335,7 @@ class ShardState:
         if torch.is_grad_enabled():
             args, kwargs = _wrap_inputs(self, args, kwargs, entry)
         elif not torch.is_inference_mode_enabled():
-            _note_recomputable(entry, args, kwargs)
+            _note_recomputable(self, entry, args, kwargs)
         return args, kwargs
 
     def _open(self, module: nn.Module, compute_dtype: torch.dtype) -> None:
@@ -482,10 +490,17 @@ def _wrap_inputs(state: ShardState, args: tuple[Any, ...], kwargs: dict[str, Any
     return new_args, new_kwargs
 
 
-def _note_recomputable(entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A call under no_grad on inputs that need grad may be a reentrant checkpoint's forward: keep them (weakly)."""
+def _note_recomputable(state: ShardState, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A call under no_grad inside a forward with grad may be a reentrant checkpoint's forward (or run inside one):
+    keep its inputs that need grad (weakly), or else the root's call it runs in."""
     needing = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
-    entry.inputs = [weakref.ref(t) for t in needing] if needing else None
+    if needing:
+        entry.inputs = [weakref.ref(t) for t in needing]
+        return
+    root = state.root
+    open_calls = [e for calls in root.calls.values() for e in calls] if root is not None and root is not state else []
+    if open_calls and open_calls[-1].grad_enabled and state.unit.grads.trainable:
+        entry.inputs, entry.anchor = [], open_calls[-1]
 
 
 def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entry: _Entry, output: Any) -> Any:

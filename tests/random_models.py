@@ -109,6 +109,8 @@ class CaseConfig:
     #   output is compared with an unsharded copy of the current parameters
     full_precision_eval: bool = False  # fc.set_full_precision_in_eval(model): eval forwards in the parameters' dtype
     collective_checks: bool = False  # fc.set_collective_checks(model)
+    reentrant: bool = False  # activation checkpoints use use_reentrant=True (where the checkpointed call returns a
+    #                           tensor; the unsharded copy checkpoints the same way)
     sabotage: str = ""  # harness self-test only, never drawn: "skip_step" = the sharded side skips step 1's update
 
 
@@ -267,6 +269,7 @@ def _draw_graph_shapes(ch: Chooser, cfg: CaseConfig) -> CaseConfig:
         full_precision_eval=cfg.mp != "none" and ch.flag(50),
         collective_checks=ch.flag(60 if one_rank else 30),
         side_raf=side_raf,
+        reentrant=ch.flag(30),  # the last draw: a seed keeps every earlier decision
     )
 
 
@@ -395,6 +398,7 @@ class Block(nn.Module):
         super().__init__()
         self.spec = spec
         self.fault = ""  # set by the harness for one micro-batch: "forward" | "backward"
+        self.reentrant = False  # CaseConfig.reentrant (set by Net)
         self.layers = nn.ModuleList(make_layer(s, d) for s in spec.layers)
         self.inner = Inner(spec.inner, d) if spec.inner is not None else None
         self.proj: nn.Linear | None = None
@@ -405,11 +409,12 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         inside = self.spec.ckpt == "inside"
         for i, layer in enumerate(self.layers):
-            h = checkpoint(layer, h, use_reentrant=False) if inside and i == 0 and self.inner is None else layer(h)
+            first = inside and i == 0 and self.inner is None
+            h = checkpoint(layer, h, use_reentrant=self.reentrant) if first else layer(h)
         if self.fault == "forward":
             raise RuntimeError("injected fault in forward")
         if self.inner is not None:
-            h = checkpoint(self.inner, h, use_reentrant=False) if inside else self.inner(h)
+            h = checkpoint(self.inner, h, use_reentrant=self.reentrant) if inside else self.inner(h)
         if self.proj is not None:
             h = h + torch.tanh(self.proj(h))
         return pack(self.spec.output, _RaiseInBackward.apply(h) if self.fault == "backward" else h)
@@ -433,6 +438,9 @@ class Net(nn.Module):
         d, v = cfg.dim, cfg.vocab
         self.embed = Embed(v, d)
         self.blocks = nn.ModuleList(Block(b, d) for b in cfg.blocks)
+        self.reentrant = cfg.reentrant
+        for block in self.blocks:
+            block.reentrant = cfg.reentrant
         self.norm = nn.LayerNorm(d, eps=0.1) if cfg.head_unit == "norm_head" else None
         self.head = nn.Linear(d, v)
         self.head_scale = 1.0
@@ -448,7 +456,8 @@ class Net(nn.Module):
         h = self.embed(x)
         for block in self.blocks:
             for _ in range(block.spec.calls):
-                out = checkpoint(block, h, use_reentrant=False) if block.spec.ckpt == "around" else block(h)
+                reentrant = self.reentrant and block.spec.output == "tensor"
+                out = checkpoint(block, h, use_reentrant=reentrant) if block.spec.ckpt == "around" else block(h)
                 h = unpack(out)
         if self.norm is not None:
             h = self.norm(h)

@@ -30,6 +30,7 @@ from .flat import ManagedParam, run_post_accumulate_grad_hooks
 from .meshes import DataParallelMesh
 from .offload import UnitDevices
 from .streams import current_stream, issued_on, record_event
+from .transitions import internal_error
 
 __all__ = ["GradientDelivery", "ReduceSpec", "RowsLayout"]
 
@@ -130,7 +131,8 @@ class GradientDelivery:
         """FSDP2's all-reduce hook: ``hook(rows)`` on this rank's reduced, divided gradient rows in the reduce dtype
         (after the HSDP all-reduce), one flat tensor; what it writes in place is what ``.grad`` receives. The
         "had a gradient" flags are not in it; 0-dim gradients (kept in the tail) are appended and copied back."""
-        assert self.reduced_hook is not None
+        if self.reduced_hook is None:
+            raise internal_error(f"unit {self.spec.owner_name}", "self.reduced_hook is missing")
         layout = self.layout
         segment, count = layout.segment, len(layout.scalar)
         start = segment + layout.tail(flagged) - count

@@ -23,6 +23,7 @@ from .gather_plan import FullBuffer, GatherPlan
 from .grads import UnitGradients
 from .offload import UnitDevices
 from .sharding import copy_param_from_segments
+from .transitions import internal_error
 
 __all__ = ["FullParams", "GradientOwner"]
 
@@ -104,7 +105,8 @@ class FullParams:
         protocol = self.shards.protocol
         first = len(self.shards.groups)
         for mp in protocol:
-            assert mp.subclass is not None
+            if mp.subclass is None:
+                raise internal_error(f"parameter {mp.fqn}", "mp.subclass is missing")
             count = len(mp.subclass.input_sizes)
             dtypes, numels = plan.input_dtypes[first : first + count], plan.input_numels[first : first + count]
             first += count
@@ -114,7 +116,8 @@ class FullParams:
         for full in fulls:
             full.relay()
         for mp in protocol:
-            assert mp.subclass is not None
+            if mp.subclass is None:
+                raise internal_error(f"parameter {mp.fqn}", "mp.subclass is missing")
             own = self.compute_dtype_for(mp.sharded.dtype, dtype)
             unsharded = mp.subclass.unshard(mp.sharded._local_tensor, own, mp.trainable)
             if mp.full is not unsharded:
@@ -133,7 +136,8 @@ class FullParams:
                 mp.full.requires_grad_(mp.trainable)
                 self.hook(mp)
             mp.gathered_version = mp.sharded._version
-            assert mp.full is not None
+            if mp.full is None:
+                raise internal_error(f"parameter {mp.fqn}", "mp.full is missing")
             mp.register(mp.full)
 
     def _buffer(self, dtype: torch.dtype, group: int = 0) -> FullBuffer:
@@ -148,7 +152,8 @@ class FullParams:
         if full is None or fresh:
             full = self._fulls[key] = FullBuffer.build(layout, dtype, self.device)
         for mp in members:
-            assert mp.slot is not None
+            if mp.slot is None:
+                raise internal_error(f"parameter {mp.fqn}", "mp.slot is missing")
             current = None if fresh else mp.full
             if current is not None and current.dtype != dtype:  # keep it with its buffer (autograd may hold it)
                 self._fulls[(group, current.dtype)].params[id(mp)] = (current, mp.full_data, mp.full_hooked)
@@ -178,7 +183,8 @@ class FullParams:
         elif mp.full.requires_grad != mp.trainable:
             mp.full.requires_grad_(mp.trainable)
             self.hook(mp)
-        assert mp.full_data is not None
+        if mp.full_data is None:
+            raise internal_error(f"parameter {mp.fqn}", "mp.full_data is missing")
         storage = mp.full_data.untyped_storage()
         needed = mp.full_data.numel() * mp.full_data.element_size()
         if storage.size() < needed:

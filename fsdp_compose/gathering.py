@@ -38,7 +38,7 @@ from .offload import UnitDevices
 from .sharding import write_param_into_segments
 from .streams import issued_on, record_event, wait_for
 from .subclass_params import shard_mesh
-from .transitions import checked
+from .transitions import checked, internal_error
 
 __all__ = ["UnitGather", "UnitState"]
 
@@ -161,7 +161,8 @@ class UnitGather:
                 # Cast straight into this rank's segment of the output and all-gather in place (the input is a view
                 # of the output): no separate low-precision copy of the shard lives next to the output while it
                 # runs. Offloaded, the shard crosses to the device in its own dtype first and is cast there.
-                assert gathered is not None
+                if gathered is None:
+                    raise internal_error(f"unit {self.owner_name}", "gathered is missing")
                 shard = gathered[self.rank * numel : (self.rank + 1) * numel]
                 shard.copy_(self.devices.to_compute(flat, flat.dtype))
                 work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
@@ -192,7 +193,8 @@ class UnitGather:
         ]
         with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"):
             for mp in self.shards.protocol:
-                assert mp.subclass is not None
+                if mp.subclass is None:
+                    raise internal_error(f"unit {self.owner_name}", "mp.subclass is missing")
                 module = mp.owners[0][0]
                 local = mp.sharded._local_tensor
                 inputs.extend(mp.subclass.all_gather_inputs(local, shard_mesh(self.dp.mesh), module, self.hook_policy))
@@ -205,7 +207,8 @@ class UnitGather:
 
     def _start_group_gather(self, block: torch.Tensor, *, async_op: bool) -> None:
         """All-gather the post-forward blocks within the group of k ranks: all ``W`` segments, in order."""
-        assert self.post_forward is not None
+        if self.post_forward is None:
+            raise internal_error(f"unit {self.owner_name}", "self.post_forward is missing")
         numel = self.world_size * self.shards.layout.segment_numel
         gathered = torch.empty(numel, dtype=block.dtype, device=block.device)
         with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"):
@@ -219,7 +222,8 @@ class UnitGather:
         """Wait for the all-gather, fill the full parameters and register them on the modules."""
         if self.state is not UnitState.GATHERING:
             return
-        assert self._pending_gather is not None and self.compute_dtype is not None
+        if self._pending_gather is None or self.compute_dtype is None:
+            raise internal_error(f"unit {self.owner_name}", "self._pending_gather or self.compute_dtype is missing")
         pending, self._pending_gather = self._pending_gather, None
         wait_for(pending.issued, self.device)
         if pending.work is not None:
@@ -263,7 +267,8 @@ class UnitGather:
         The kept block is cut from the full parameters (already in the compute dtype), so backward all-gathers
         ``1/k`` of the unit per rank within the group instead of ``1/W`` over the whole shard group.
         """
-        assert self.post_forward is not None, "reshard_after_forward=k sets the post-forward group"
+        if self.post_forward is None:
+            raise internal_error(f"unit {self.owner_name}", "reshard_after_forward=k sets the post-forward group")
         if not self.shards.uniform:
             raise NotImplementedError(
                 f"reshard_after_forward={self.post_forward.size} on {self.owner_name}, whose parameters have several "
@@ -276,7 +281,8 @@ class UnitGather:
             return
         per_member = self.world_size // self.post_forward.size
         first = self.post_forward.position * per_member
-        assert self.compute_dtype is not None
+        if self.compute_dtype is None:
+            raise internal_error(f"unit {self.owner_name}", "self.compute_dtype is missing")
         layout = self.shards.layout
         block = torch.zeros(per_member, layout.segment_numel, dtype=self.compute_dtype, device=self.device)
         for mp in self.shards.params:

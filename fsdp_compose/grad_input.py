@@ -21,6 +21,7 @@ import torch
 from .delivery import ReduceSpec, RowsLayout
 from .flat import ManagedParam, local_grad
 from .sharding import FlatLayout, chunk_rows, write_grad_into_segments
+from .transitions import internal_error
 
 __all__ = ["ReduceScatterInput"]
 
@@ -95,7 +96,8 @@ class ReduceScatterInput:
     def write_one(self, mp: ManagedParam, grad: torch.Tensor, pre: float) -> None:
         """Write (or add) ``grad`` divided by ``pre`` into its region of the buffer (which exists) and free it."""
         buffer = self.buffer
-        assert buffer is not None
+        if buffer is None:
+            raise internal_error(f"unit {self.spec.owner_name}", "buffer is missing")
         fresh = id(mp) not in self.written
         segment = self.layout.segment_numel
         if id(mp) in self.scalar:
@@ -110,13 +112,15 @@ class ReduceScatterInput:
             flag.fill_(1.0) if fresh else flag.add_(1.0)
         self.written.add(id(mp))
         self.locally_seen.add(id(mp))
-        assert mp.full is not None
+        if mp.full is None:
+            raise internal_error(f"unit {self.spec.owner_name}", "mp.full is missing")
         mp.full.grad = None
 
     def complete(self) -> None:
         """Zero the regions (and flags) of parameters that got no gradient on this rank, so the buffer is whole."""
         buffer = self.buffer
-        assert buffer is not None
+        if buffer is None:
+            raise internal_error(f"unit {self.spec.owner_name}", "buffer is missing")
         segment = self.layout.segment_numel
         for mp in self.trainable:
             if id(mp) in self.written:
@@ -204,7 +208,8 @@ class ReduceScatterInput:
     def take(self) -> torch.Tensor:
         """The staged buffer, handed to the reduce-scatter (this side forgets it)."""
         buffer = self.buffer
-        assert buffer is not None
+        if buffer is None:
+            raise internal_error(f"unit {self.spec.owner_name}", "buffer is missing")
         self.buffer = None
         self.locally_seen = set()
         return buffer

@@ -35,7 +35,7 @@ from .delivery import GradientDelivery, ReduceSpec
 from .flat import ManagedParam, local_grad
 from .grad_input import ReduceScatterInput
 from .sharding import divide_factors
-from .transitions import checked
+from .transitions import checked, internal_error
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,8 @@ class UnitGradients:
 
     def _wait_reduce_scatter(self, flight: _InFlight) -> None:
         if flight.buffer is not None:
-            assert flight.work is not None
+            if flight.work is None:
+                raise internal_error(f"unit {self.spec.owner_name}", "flight.work is missing")
             with labelled(f"fsdp_compose::reduce_scatter_wait[{self.spec.owner_name}]"):
                 flight.work.wait()
             flight.work = None
@@ -249,7 +250,8 @@ class UnitGradients:
         if self.state is not GradState.REDUCE_SCATTERING:
             return  # nothing in flight, or the all-reduce already runs
         flight = self.flight
-        assert flight is not None
+        if flight is None:
+            raise internal_error(f"unit {self.spec.owner_name}", "flight is missing")
         if only_if_done and flight.work is not None and not flight.work.is_completed():
             return
         self._wait_reduce_scatter(flight)
@@ -276,7 +278,8 @@ class UnitGradients:
         if self.state not in (GradState.REDUCE_SCATTERING, GradState.ALL_REDUCING):
             return
         flight = self.flight
-        assert flight is not None
+        if flight is None:
+            raise internal_error(f"unit {self.spec.owner_name}", "flight is missing")
         self._wait_reduce_scatter(flight)
         if flight.work is not None:
             with labelled(f"fsdp_compose::all_reduce_wait[{self.spec.owner_name}]"):

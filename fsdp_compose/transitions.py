@@ -10,7 +10,9 @@ import enum
 from collections.abc import Mapping
 from typing import TypeVar
 
-__all__ = ["checked"]
+import torch.distributed as dist
+
+__all__ = ["checked", "internal_error"]
 
 _State = TypeVar("_State", bound=enum.Enum)
 
@@ -23,3 +25,12 @@ def checked(current: _State, new: _State, allowed: Mapping[_State, frozenset[_St
             "this with the steps that led here"
         )
     return new
+
+
+def internal_error(where: str, what: str) -> RuntimeError:
+    """The error for a broken invariant: the rank, the unit or parameter, and what was missing."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return RuntimeError(
+        f"internal error in fsdp_compose on rank {rank}: {where}: {what}; please report this with the steps that led "
+        "here"
+    )

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 import torch._dynamo.compiled_autograd
 
-__all__ = ["StepOwner", "check_not_compiled_autograd", "in_backward"]
+__all__ = ["StepOwner", "check_not_compiled_autograd", "gradient_node", "in_backward"]
 
 
 class StepOwner(Protocol):
@@ -43,6 +43,17 @@ class StepOwner(Protocol):
 def in_backward() -> bool:
     """True while autograd runs a backward on this thread (e.g. an activation-checkpoint recompute)."""
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def gradient_node(tensor: torch.Tensor) -> torch.autograd.graph.Node | None:
+    """The autograd node that computes ``tensor``'s gradient: its ``grad_fn``, or for a leaf the node accumulating
+    into it (reached through a view, which needs the storage). None where no graph is recorded (inference mode, a
+    torch.func transform)."""
+    if tensor.grad_fn is not None:
+        return tensor.grad_fn
+    with torch.enable_grad():
+        view = tensor.view_as(tensor)
+    return view.grad_fn.next_functions[0][0] if view.grad_fn is not None else None
 
 
 def check_not_compiled_autograd(owner: str) -> None:

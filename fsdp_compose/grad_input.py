@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from .autograd_hooks import gradient_node
 from .delivery import ReduceSpec, RowsLayout
 from .flat import ManagedParam, local_grad
 from .sharding import FlatLayout, chunk_rows, write_grad_into_segments
@@ -173,8 +174,12 @@ class ReduceScatterInput:
             device=spec.device,
         )
         # the flag columns: one element broadcast (no block of ones next to the buffer and the gradients)
-        flags = [torch.ones((), dtype=dtype, device=spec.device).expand(world_size, len(self.trainable))]
-        torch._chunk_cat([*grads, *flags[: int(self.flagged)], *scalars], dim=0, num_chunks=world_size, out=buffer)
+        flags = (
+            [torch.ones((), dtype=dtype, device=spec.device).expand(world_size, len(self.trainable))]
+            if self.flagged
+            else []
+        )
+        torch._chunk_cat([*grads, *flags, *scalars], dim=0, num_chunks=world_size, out=buffer)
         if pre != 1.0:
             buffer.div_(pre)  # the flag columns too: they are only compared with zero
         for mp in self.trainable:
@@ -189,9 +194,7 @@ class ReduceScatterInput:
         for mp in self.trainable:
             full = mp.full
             if full is not None and full.requires_grad and id(full) not in self.accumulators:
-                with torch.enable_grad():
-                    view = full.view_as(full)
-                node = view.grad_fn.next_functions[0][0] if view.grad_fn is not None else None
+                node = gradient_node(full)
                 if node is not None:  # None under inference mode or a torch.func transform: noted next time
                     self.accumulators[id(full)] = node
 

@@ -34,7 +34,7 @@ from .collectives import Work, all_reduce, labelled, reduce_scatter_flat
 from .delivery import GradientDelivery, ReduceSpec
 from .flat import ManagedParam, local_grad
 from .grad_input import ReduceScatterInput
-from .sharding import divide_factors
+from .sharding import FlatLayout, divide_factors
 from .transitions import checked, internal_error
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,16 @@ class UnitGradients:
                 "(or zero_grad and start over) before freezing or unfreezing parameters"
             )
         self.input.refresh(params)
-        self.trainable, self.layout = self.input.trainable, self.input.layout
         self.delivery.layout = self.input.rows
+
+    @property
+    def trainable(self) -> list[ManagedParam]:
+        """The parameters that take part, as of the last refresh (the reduce-scatter input's layout holds them)."""
+        return self.input.trainable
+
+    @property
+    def layout(self) -> FlatLayout:
+        return self.input.layout
 
     def tail(self, flagged: bool) -> int:
         return self.input.rows.tail(flagged)

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .autograd_hooks import StepOwner, check_not_compiled_autograd, in_backward
+from .autograd_hooks import StepOwner, check_not_compiled_autograd, gradient_node, in_backward
 from .collectives import labelled
 from .policies import MixedPrecisionPolicy
 from .pytrees import map_tensors, tensors_in
@@ -115,8 +115,8 @@ class _Entry:
         if self.anchor is not None:
             return self.anchor.runs_in_this_backward(running)
         if self.inputs is not None:
-            nodes = [_gradient_node(t) for t in (ref() for ref in self.inputs) if t is not None]
-            return any(node is running or bool(torch._C._will_engine_execute_node(node)) for node in nodes)
+            nodes = [gradient_node(t) for t in (ref() for ref in self.inputs) if t is not None]
+            return any(n is running or bool(torch._C._will_engine_execute_node(n)) for n in nodes if n is not None)
         node = self.pre() if self.pre is not None else None
         return node is not None and (node is running or bool(torch._C._will_engine_execute_node(node)))
 
@@ -125,14 +125,6 @@ class _Entry:
             return True  # its recompute wraps the inputs it runs on
         node = self.post() if self.post is not None else None
         return node is not None and bool(torch._C._will_engine_execute_node(node))
-
-
-def _gradient_node(tensor: torch.Tensor) -> Any:
-    """The node that computes ``tensor``'s gradient: its ``grad_fn``, or for a leaf the one accumulating into it."""
-    if tensor.grad_fn is not None:
-        return tensor.grad_fn
-    with torch.enable_grad():
-        return tensor.view_as(tensor).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
 
 class _PreBackward(torch.autograd.Function):

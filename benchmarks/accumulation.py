@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import fsdp_compose as fc  # noqa: E402
 from benchmarks.memory import LiveBytesCounter, live_storage_keys, tensors_since  # noqa: E402
 from benchmarks.report import MIB, _header, _ms, _ratio, _table, write_section  # noqa: E402
-from benchmarks.run import VARIANTS, BenchArgs, Impl, _rank_max, build, local_batch  # noqa: E402
+from benchmarks.run import VARIANTS, BenchArgs, Impl, _rank_max, add_model_arguments, build, local_batch  # noqa: E402
 from examples.gpt_model import loss_fn  # noqa: E402
 
 ACCUM = ("fc_unsharded", "fc_sharded", "torch_fsdp2")
@@ -310,13 +310,7 @@ def parse_args(
     parser.add_argument("--micro", type=int, default=4, help="micro-batches per window (the last one synchronises)")
     parser.add_argument("--steps", type=int, default=12, help="timed rounds (each runs every implementation's window)")
     parser.add_argument("--warmup", type=int, default=2, help="rounds dropped from the statistics")
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
+    add_model_arguments(parser, batch_help="sequences per rank per micro-batch")
     if write_flags:
         parser.add_argument("--write", metavar="PATH", help="replace the --section of this markdown file")
         parser.add_argument("--section", default="accum", help="marker: <!-- NAME:start --> ... <!-- NAME:end -->")

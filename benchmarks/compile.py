@@ -52,6 +52,7 @@ from benchmarks.run import (  # noqa: E402
     Variant,
     _rank_max,
     _shard_kwargs,
+    add_model_arguments,
     local_batch,
     timed_step,
 )
@@ -196,13 +197,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchArgs, argparse.Names
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (inductor needs a C++ compiler)")
     parser.add_argument("--steps", type=int, default=12, help="timed rounds (each runs every implementation once)")
     parser.add_argument("--warmup", type=int, default=2, help="rounds dropped from the statistics")
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
+    add_model_arguments(parser)
     parser.add_argument("--write", metavar="PATH", help="replace the --section of this markdown file")
     parser.add_argument("--section", default="compile", help="marker: <!-- NAME:start --> ... <!-- NAME:end -->")
     ns = parser.parse_args(argv)

@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import fsdp_compose as fc  # noqa: E402
 from benchmarks.memory import LiveBytesCounter, live_storage_keys, tensors_since  # noqa: E402
 from benchmarks.report import MIB, write_section  # noqa: E402
-from benchmarks.run import VARIANTS, BenchArgs, Impl, build, local_batch  # noqa: E402
+from benchmarks.run import VARIANTS, BenchArgs, Impl, add_model_arguments, build, local_batch  # noqa: E402
 from examples.gpt_model import loss_fn  # noqa: E402
 from fsdp_compose.recorder import CollectiveRecord  # noqa: E402
 
@@ -235,13 +235,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchArgs, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--configs", nargs="+", default=["fp32", "bf16", "frozen"], choices=sorted(VARIANTS))
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
+    add_model_arguments(parser)
     parser.add_argument("--rank", type=int, default=0, help="the rank whose live set is shown")
     parser.add_argument("--write", metavar="PATH", help="replace the peak-phases section of this markdown file")
     parser.add_argument("--section", default="peak-phases", help="the marked section --write replaces")

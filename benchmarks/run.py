@@ -304,19 +304,24 @@ def worker(rank: int, args: BenchArgs, store_path: str, result_path: str) -> Non
 
 
 # ---------------------------------------------------------------------- entry point
+def add_model_arguments(parser: argparse.ArgumentParser, *, batch_help: str = "sequences per rank per step") -> None:
+    """The example GPT's size, batch and seed: the same flags in every benchmark that builds it."""
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4, help=batch_help)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[BenchArgs, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="gloo ranks to spawn")
     parser.add_argument("--configs", nargs="+", default=["fp32"], choices=sorted(VARIANTS))
     parser.add_argument("--steps", type=int, default=20, help="timed rounds (each runs every implementation once)")
     parser.add_argument("--warmup", type=int, default=3, help="rounds dropped from the statistics")
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
+    add_model_arguments(parser)
     parser.add_argument("--no-memory", action="store_true", help="skip the live-bytes measurement")
     parser.add_argument("--write", metavar="PATH", help="replace the bench section of this markdown file")
     parser.add_argument("--json", metavar="PATH", help="also dump the raw per-step results as JSON")

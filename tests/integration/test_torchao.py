@@ -164,6 +164,12 @@ def _qlora(rank: int, ws: int) -> dict[str, Any]:
     return result
 
 
+def _assert_same_collectives(result: dict[str, Any]) -> None:
+    """All-gathers and reduce-scatters per step: the same counts and bytes as torch's fully_shard."""
+    for key in ("all_gather", "all_gather_bytes", "reduce_scatter", "reduce_scatter_bytes"):
+        assert result["ours"][key] == result["theirs"][key], (key, result)
+
+
 @pytest.mark.parametrize("ws", [2, 4])
 def test_nf4_qlora_matches_torchs_fully_shard(run_dist, ws: int) -> None:
     for result in run_dist(ws, _qlora):
@@ -172,10 +178,7 @@ def test_nf4_qlora_matches_torchs_fully_shard(run_dist, ws: int) -> None:
         assert result["loss_diff"] < 1e-5, result
         assert result["grad_diff"] < 1e-5, result
         assert result["param_diff"] < 1e-5, result
-        assert result["ours"]["all_gather"] == result["theirs"]["all_gather"], result
-        assert result["ours"]["all_gather_bytes"] == result["theirs"]["all_gather_bytes"], result
-        assert result["ours"]["reduce_scatter"] == result["theirs"]["reduce_scatter"], result
-        assert result["ours"]["reduce_scatter_bytes"] == result["theirs"]["reduce_scatter_bytes"], result
+        _assert_same_collectives(result)
 
 
 def _float8_net() -> nn.Module:
@@ -226,7 +229,4 @@ def test_float8_all_gather_matches_torchs_fully_shard(run_dist, ws: int, precomp
         assert result["loss_diff"] < 1e-5, result
         assert result["grad_diff"] < 1e-5, result
         assert result["param_diff"] < 1e-5, result
-        assert result["ours"]["all_gather"] == result["theirs"]["all_gather"], result
-        assert result["ours"]["all_gather_bytes"] == result["theirs"]["all_gather_bytes"], result
-        assert result["ours"]["reduce_scatter"] == result["theirs"]["reduce_scatter"], result
-        assert result["ours"]["reduce_scatter_bytes"] == result["theirs"]["reduce_scatter_bytes"], result
+        _assert_same_collectives(result)

@@ -57,7 +57,8 @@ class Variant:
     no_reshard: bool = False  # reshard_after_forward=False on every unit (FSDPs)
     frozen_params: str = "shard"  # fsdp_compose only: "replicate" keeps frozen parameters whole on every rank
     reshard_to: int = 0  # FSDPs' blocks: reshard_after_forward=reshard_to (a smaller group; meaningful at 4+ ranks)
-    prefetch_post: bool = False  # fsdp_compose only: fc.set_backward_prefetch_post (torch FSDP2 has no such option)
+    # fsdp_compose only: fc.set_backward_prefetch_point (torch FSDP2 always prefetches "before")
+    prefetch_point: str = "midway"
 
 
 VARIANTS = {
@@ -67,9 +68,12 @@ VARIANTS = {
     "frozen_replicate": Variant("frozen_replicate", frozen=True, frozen_params="replicate"),
     "no_reshard": Variant("no_reshard", no_reshard=True),
     "reshard_to_2": Variant("reshard_to_2", reshard_to=2),
-    "fp32_post": Variant("fp32_post", prefetch_post=True),
-    "bf16_post": Variant("bf16_post", bf16=True, prefetch_post=True),
-    "frozen_post": Variant("frozen_post", frozen=True, prefetch_post=True),
+    "fp32_before": Variant("fp32_before", prefetch_point="before"),
+    "bf16_before": Variant("bf16_before", bf16=True, prefetch_point="before"),
+    "frozen_before": Variant("frozen_before", frozen=True, prefetch_point="before"),
+    "fp32_post": Variant("fp32_post", prefetch_point="after"),
+    "bf16_post": Variant("bf16_post", bf16=True, prefetch_point="after"),
+    "frozen_post": Variant("frozen_post", frozen=True, prefetch_point="after"),
 }
 
 
@@ -136,8 +140,8 @@ def _shard(model: GPT, name: str, variant: Variant, mesh: DeviceMesh) -> nn.Modu
     for block in model.blocks:
         shard_fn(block, mesh=mesh, **block_kwargs)
     shard_fn(model, mesh=mesh, **kwargs)
-    if name == "fsdp_compose" and variant.prefetch_post:
-        fc.set_backward_prefetch_post(model)
+    if name == "fsdp_compose" and variant.prefetch_point != "midway":
+        fc.set_backward_prefetch_point(model, variant.prefetch_point)  # type: ignore[arg-type]
     return model
 
 

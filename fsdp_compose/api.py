@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .meshes import post_forward_group_for, reshard_after_forward_setting
+from .policies import PREFETCH_POINTS, PrefetchPoint
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
 
 __all__ = [
@@ -240,18 +241,40 @@ def set_modules_to_backward_prefetch(module: nn.Module, modules: Iterable[nn.Mod
     state.backward_prefetch = _state_list(modules, "set_modules_to_backward_prefetch")
 
 
-def set_backward_prefetch_post(module: nn.Module, enabled: bool = True, *, recurse: bool = True) -> None:
-    """Issue each unit's implicit backward prefetch (the next unit's all-gather) once the unit's own backward is
-    done, not when it starts (FSDP1's ``BackwardPrefetch.BACKWARD_POST``; the default is FSDP2's timing).
+def set_backward_prefetch_point(module: nn.Module, point: PrefetchPoint = "midway", *, recurse: bool = True) -> None:
+    """When each unit issues its implicit backward prefetch (the next unit's all-gather) during its own backward.
 
-    Less memory: a unit's backward never runs next to the next unit's all-gather output, nor next to the previous
-    unit's reduce-scatter input (it completes before the prefetch is issued). Less overlap: the next unit's
-    all-gather is exposed unless its reduce-scatter hides it. The collectives and their order do not change.
-    Measured (docs/benchmarks.md): 2 gloo ranks, peak 0.94x torch's ``fully_shard`` fp32, 0.93-0.99x bf16.
+    - ``"midway"`` (the default): once half the bytes of the unit's trainable full parameters have their gradients
+      (backward frees each full parameter as soon as its gradient is accumulated) and no older reduce-scatter is
+      in flight (checked without waiting); at the unit's end at the latest. A unit with no trainable parameter, and
+      the root (needed at both ends of backward), prefetch at their start once older reduce-scatters completed.
+      What the prefetch holds then replaces parameters already freed, and it still overlaps the rest of the
+      unit's backward.
+    - ``"before"``: when the unit's backward starts (torch FSDP2's timing): the most overlap, the most memory
+      (the next unit's all-gather output lives through the whole backward of this one).
+    - ``"after"``: once the unit's backward is done and older reduce-scatters completed (FSDP1's
+      ``BackwardPrefetch.BACKWARD_POST``): the least memory, the next all-gather exposed unless a reduce-scatter
+      hides it.
+
+    The collectives and their order are the same for every point. docs/schedule.md shows where each one puts the
+    bytes; docs/benchmarks.md measures them.
+    """
+    if point not in PREFETCH_POINTS:
+        raise ValueError(
+            f"set_backward_prefetch_point: point must be one of {', '.join(map(repr, PREFETCH_POINTS))}, got {point!r}"
+        )
+    for state in _states(module, recurse, "set_backward_prefetch_point"):
+        state.backward_prefetch_point = point
+
+
+def set_backward_prefetch_post(module: nn.Module, enabled: bool = True, *, recurse: bool = True) -> None:
+    """``fc.set_backward_prefetch_point(module, "after")`` (``enabled``), else back to ``"midway"``, the default.
+
+    FSDP1's ``BackwardPrefetch.BACKWARD_POST``: each unit's implicit backward prefetch is issued once its own
+    backward is done.
     """
     _check_bool(enabled, "enabled", "set_backward_prefetch_post")
-    for state in _states(module, recurse, "set_backward_prefetch_post"):
-        state.backward_prefetch_post = enabled
+    set_backward_prefetch_point(module, "after" if enabled else "midway", recurse=recurse)
 
 
 def set_optimizer_in_backward(

@@ -4,7 +4,10 @@
 final callback. Everything that picks a collective during a backward is here:
 
 - ``gather_for_backward``: the gather cursor issues every backward all-gather up to the unit needed now, in the
-  agreed order, with its prefetch; a unit this rank does not run is gathered at its turn all the same;
+  agreed order; a unit this rank does not run is gathered at its turn all the same. A unit it needs now prefetches
+  the next one at its ``backward_prefetch_point`` (``fc.set_backward_prefetch_point``);
+- ``gradient_made``: a full parameter's gradient was accumulated: the parameter is freed at once where nothing
+  can read it any more, and the unit's midway prefetch goes out once half its parameter bytes are freed;
 - ``call_backward_done``: a unit's call finished its backward here; the unit is finished once every call this
   backward runs here has (``awaiting``), then the reduce cursor issues every reduction whose turn has come;
 - ``make_room``: before a new reduce-scatter input is filled, older inputs complete (the window);
@@ -23,9 +26,25 @@ from .grads import GradState
 from .unit import UnitState
 
 if TYPE_CHECKING:
+    from .flat import ManagedParam
     from .state import ShardState
 
-__all__ = ["BackwardWalk"]
+__all__ = ["BackwardWalk", "graph_task"]
+
+
+def graph_task() -> int | None:
+    """autograd's id of the backward running now (None where this torch cannot tell: nothing is freed early)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return None if current is None else int(current())
+
+
+@dataclass
+class _Deferred:
+    """A unit's implicit prefetch, held back: issued once ``freed`` bytes of the unit's full parameters are freed
+    early and the reduce-scatter window has room (``None``: only at the unit's end), or at its end at the latest."""
+
+    targets: list[ShardState]
+    freed: int | None
 
 
 @dataclass
@@ -48,8 +67,13 @@ class BackwardWalk:
     done: set[int] = field(default_factory=set)  # ids finished here (gradients staged or accumulated)
     gathered: set[int] = field(default_factory=set)  # ids whose backward all-gather was issued (cursor or prefetch)
     reducing: list[ShardState] = field(default_factory=list)  # reductions whose input may be alive, oldest first
-    # id -> implicit prefetch targets of a unit gathered now, issued once its backward is done (post prefetch)
-    deferred: dict[int, list[ShardState]] = field(default_factory=dict)
+    calls_here: dict[int, int] = field(default_factory=dict)  # id -> calls of it this backward runs here
+    graph_task: int | None = None  # autograd's id of this backward (a nested one, a reentrant recompute's, differs)
+    # id -> the implicit prefetch of a unit gathered now, held back (``backward_prefetch_point`` midway or after)
+    deferred: dict[int, _Deferred] = field(default_factory=dict)
+    freed_early: dict[int, int] = field(default_factory=dict)  # id -> bytes of its full parameters freed early
+    # id -> the units a unit prefetched midway: their all-gathers land at its end, before its gradients are staged
+    landing: dict[int, list[ShardState]] = field(default_factory=dict)
 
     def position(self, state: ShardState) -> int | None:
         for index, candidate in enumerate(self.gather_order):
@@ -93,10 +117,64 @@ class BackwardWalk:
         elif not self.draining:
             following = self.gather_cursor  # the cursor already points past ``passed``
             targets = self.gather_order[following : following + 1]
-            if now and passed.backward_prefetch_post and id(passed) in self.reached_here:
-                self.deferred[id(passed)] = targets  # fc.set_backward_prefetch_post: after this unit's backward
-            else:
+            point = passed.backward_prefetch_point
+            if not targets or not now or id(passed) not in self.reached_here or point == "before":
                 self._prefetch(targets)
+            elif point == "after":
+                self.deferred[id(passed)] = _Deferred(targets, None)
+            elif (half := self._midway_bytes(passed)) > 0:
+                self.deferred[id(passed)] = _Deferred(targets, half)
+            else:
+                # Nothing of it can be freed early (no trainable parameter, or the root, whose parameters are
+                # needed at both ends of backward): now, once the window has room.
+                self._prefetch(targets, after_reductions=True)
+
+    def _midway_bytes(self, state: ShardState) -> int:
+        """Half the bytes of ``state``'s full parameters that backward may free early (0: none, or the root)."""
+        if not state.reshard_after_forward or not self._frees_early(state, nested=False):
+            return 0
+        return state.unit.early_freeable_bytes() // 2
+
+    def _frees_early(self, state: ShardState, *, nested: bool | None = None) -> bool:
+        """May a full parameter of ``state`` whose gradient was just accumulated be freed now, before its unit ends?
+
+        autograd runs every node of a graph that reads a parameter before the node that accumulates its gradient
+        (they feed it), so once that ran nothing of this backward's graph reads the parameter: if this is the
+        unit's only call here, or its last one still running; if the unit reshards at its end anyway (nothing
+        else changes: no collective, no order); if no recompute of it is still to come; and if this is the
+        backward itself, not a nested one (a reentrant checkpoint's recompute: the outer graph may still read
+        it). ``FullParams.free_early`` adds the last check: nothing but the library's own tensors views it.
+        """
+        if nested is None:
+            nested = graph_task() != self.graph_task
+        return (
+            self.graph_task is not None
+            and not nested
+            and id(state) in self.reached_here
+            and id(state) not in self.done
+            and (self.calls_here.get(id(state)) == 1 or self.awaiting.get(id(state), 0) == 1)
+            and state.reshard_after_backward
+            and state.recomputes_due == 0
+        )
+
+    def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
+        """A full parameter of ``state`` got its gradient: free it now where ``_frees_early`` allows, then issue the
+        unit's midway prefetch once half its parameter bytes are freed and the window has room (checked without
+        waiting: otherwise at a later gradient, or at the unit's end)."""
+        if not self._frees_early(state):
+            return
+        freed = state.unit.free_early(mp)
+        if not freed:
+            return
+        total = self.freed_early[id(state)] = self.freed_early.get(id(state), 0) + freed
+        deferred = self.deferred.get(id(state))
+        if deferred is None or deferred.freed is None or total < deferred.freed:
+            return
+        self.reap()
+        if len(self.reducing) < self.max_reduce_inputs:
+            del self.deferred[id(state)]
+            self._prefetch(deferred.targets)
+            self.landing[id(state)] = deferred.targets
 
     def _prefetch(self, targets: list[ShardState], *, after_reductions: bool = False) -> None:
         for target in targets:
@@ -121,10 +199,8 @@ class BackwardWalk:
             self.issue_reductions()
 
     def _finish_unit(self, state: ShardState) -> None:
-        """The unit's backward is done here: free its full parameters, then stage (or accumulate) its gradients."""
-        deferred = self.deferred.pop(id(state), None)
-        if deferred:
-            self._prefetch(deferred, after_reductions=True)  # fc.set_backward_prefetch_post
+        """The unit's backward is done here: free its full parameters, land what it prefetched midway, stage (or
+        accumulate) its gradients, then issue its prefetch if it was held back to here."""
         self.done.add(id(state))
         target = self.position(state)
         if id(state) not in self.gathered and target is not None:
@@ -135,12 +211,20 @@ class BackwardWalk:
             # was freed: it must be freed everywhere). One still gathering (passed, never needed here) is freed in
             # the final callback, when waiting for its all-gather cannot block a peer.
             state.unit.reshard()
+        for prefetched in self.landing.pop(id(state), []):
+            # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
+            # then it never meets this unit's reduce-scatter input and output (issued next).
+            if prefetched.unit.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
+                prefetched.gather_now()
         state.opened = False
         grads = state.unit.grads
         if not state.reduces_now:
             grads.accumulate()
         elif grads.trainable:
             grads.stage()
+        deferred = self.deferred.pop(id(state), None)
+        if deferred is not None:
+            self._prefetch(deferred.targets, after_reductions=True)
 
     def _advance_gathers(self, target: int, needed: ShardState | None = None) -> None:
         """Move the gather cursor past position ``target``, issuing every backward all-gather on the way (``needed``

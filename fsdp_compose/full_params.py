@@ -14,6 +14,7 @@ Issuing and waiting for the all-gather, and the states around it, are gathering.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -33,6 +34,9 @@ class GradientOwner(Protocol):
     call (a unit rebuilds it when its dtypes change)."""
 
     grads: UnitGradients
+    # Set by the step context: told each time a full parameter's gradient was made (after ``grads.capture``), so
+    # that backward may free the full parameter at once (see ``FullParams.free_early``).
+    on_gradient: Callable[[ManagedParam], None] | None
 
 
 class _CaptureGrad:
@@ -51,6 +55,8 @@ class _CaptureGrad:
         owner, mp = self.owner(), self.mp()
         if owner is not None and mp is not None:
             owner.grads.capture(mp)
+            if owner.on_gradient is not None:
+                owner.on_gradient(mp)
 
 
 class FullParams:
@@ -166,6 +172,7 @@ class FullParams:
                 mp.full_hooked = False
                 self.hook(mp)
                 full.params[id(mp)] = (mp.full, mp.full_data, mp.full_hooked)
+                full.note_own_references(mp.slot)
         full.allocate()
         return full
 
@@ -213,6 +220,40 @@ class FullParams:
         for mp in self.shards.params:
             if mp.subclass is not None:
                 mp.subclass.free()
+
+    def early_freeable_bytes(self, trainable: list[ManagedParam]) -> int:
+        """The storage bytes of ``trainable``'s full parameters that ``free_early`` could free."""
+        return sum(self._slot_bytes(mp) for mp in trainable)
+
+    def _slot_bytes(self, mp: ManagedParam) -> int:
+        full = self._early_buffer(mp)
+        if full is None or mp.slot is None:
+            return 0
+        return full.slot_bytes(mp.slot)
+
+    def _early_buffer(self, mp: ManagedParam) -> FullBuffer | None:
+        """The buffer holding ``mp``'s current full parameter, if it is a sharded slot's (not kept whole, not a
+        protocol parameter)."""
+        full_param = mp.full
+        if mp.slot is None or mp.subclass is not None or full_param is None:
+            return None
+        full = self._fulls.get((mp.group or 0, full_param.dtype))
+        if full is None or full.params.get(id(mp), (None,))[0] is not full_param:
+            return None
+        return full
+
+    def free_early(self, mp: ManagedParam) -> int:
+        """Free one sharded parameter's full storage before the rest of its unit (its gradient is made); the bytes.
+
+        Nothing is freed (0) for a parameter that is kept whole, a protocol parameter, one not in the dtype last
+        gathered, or one whose storage something other than this unit's own tensors still views (a tensor a graph
+        saved through ``.detach()`` or ``.data``: it could still be read). The caller vouches that no node of the
+        running backward reads the parameter any more; the next gather refills it, as after a whole reshard.
+        """
+        full = self._early_buffer(mp)
+        if full is None or mp.slot is None:
+            return 0
+        return full.free_slot(mp.slot)
 
     # ------------------------------------------------------------------ their gradients
     def hook(self, mp: ManagedParam) -> None:

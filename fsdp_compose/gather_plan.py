@@ -45,47 +45,51 @@ def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass
 class FullBuffer:
-    """The full (unsharded) parameters of one dtype group's sharded slots, in one storage, built once and reused.
+    """The full (unsharded) parameters of one dtype group's sharded slots, built once and reused.
 
-    Parameter-major and padded: slot ``i`` owns ``world_size * slot.numel`` elements, viewed as ``(world_size,
+    One storage per slot, padded: slot ``i`` owns ``world_size * slot.numel`` elements, viewed as ``(world_size,
     slot.numel)`` (``outs[i]``), exactly the columns of slot ``i`` in the all-gathered ``(world_size, segment)`` buffer.
-    So the copy-out of a whole group is one ``split_with_sizes_copy``, and freeing or refilling it is one storage
-    resize. The full parameters are views of the same storage through ``.data`` (their own version counter):
+    So the copy-out of a whole group is one ``split_with_sizes_copy``. A storage per slot (not one for the group) lets
+    backward free each full parameter as soon as its gradient is made (``free_slot``) instead of when the whole unit's
+    backward ends. The full parameters are views of their storage through ``.data`` (their own version counter):
     refilling it does not trip autograd's check on tensors saved in forward.
     """
 
     layout: FlatLayout
     dtype: torch.dtype
-    data: torch.Tensor
+    slots: list[torch.Tensor]  # per slot: its padded columns, then (a Shard(k) slot) its full parameter
     splits: list[int]
     outs: list[torch.Tensor]
-    relaid: dict[int, int]  # slot sharded on a dim k > 0 -> where its full parameter starts, after the padded part
+    relaid: set[int]  # slots sharded on a dim k > 0: their full parameter follows the padded columns
     # id(ManagedParam) -> (full parameter, its .data, hooked) in this dtype: set again when this dtype is gathered
     params: dict[int, tuple[Any, Any, bool]] = field(default_factory=dict)
+    # slot -> how many tensors of this library's own view its storage (once its full parameter exists): more at
+    # ``free_slot`` means someone else still views it
+    own_references: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def build(cls, layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> FullBuffer:
         world_size = layout.world_size
-        # A Shard(k) slot's region holds the ranks' chunks along k one after another, not the parameter: its full
-        # parameter gets its own place after the padded part (same storage: freed and refilled with the rest).
-        relaid: dict[int, int] = {}
-        end = world_size * layout.segment_numel
-        for index, slot in enumerate(layout.slots):
-            if slot.dim != 0:
-                relaid[index] = end
-                end += slot.shape.numel()
-        data = torch.empty(end, dtype=dtype, device=device)
-        outs = [
-            data[world_size * slot.offset : world_size * (slot.offset + slot.numel)].view(world_size, slot.numel)
-            for slot in layout.slots
+        # A Shard(k) slot's columns hold the ranks' chunks along k one after another, not the parameter: its full
+        # parameter gets its own place after them (same storage: freed and refilled with them).
+        relaid = {index for index, slot in enumerate(layout.slots) if slot.dim != 0}
+        slots = [
+            torch.empty(
+                world_size * slot.numel + (slot.shape.numel() if index in relaid else 0), dtype=dtype, device=device
+            )
+            for index, slot in enumerate(layout.slots)
         ]
-        return cls(layout, dtype, data, [slot.numel for slot in layout.slots], outs, relaid)
+        outs = [
+            data[: world_size * slot.numel].view(world_size, slot.numel)
+            for data, slot in zip(slots, layout.slots, strict=True)
+        ]
+        return cls(layout, dtype, slots, [slot.numel for slot in layout.slots], outs, relaid)
 
     def param_view(self, index: int) -> torch.Tensor:
         """The full parameter of slot ``index``: its first ``dim0`` rows (the rest is padding), or its own place."""
         slot = self.layout.slots[index]
-        start = self.relaid.get(index, self.layout.world_size * slot.offset)
-        return self.data.data[start : start + slot.shape.numel()].view(slot.shape)
+        start = self.layout.world_size * slot.numel if index in self.relaid else 0
+        return self.slots[index].data[start : start + slot.shape.numel()].view(slot.shape)
 
     def relay(self) -> None:
         """After the columns are filled: move each Shard(k) slot's chunks into its full parameter."""
@@ -94,13 +98,38 @@ class FullBuffer:
             copy_param_from_segments(self.param_view(index), self.outs[index], dataclasses.replace(slot, offset=0))
 
     def allocate(self) -> None:
-        storage = self.data.untyped_storage()
-        needed = self.data.numel() * self.data.element_size()
-        if storage.size() < needed:
-            storage.resize_(needed)
+        for data in self.slots:
+            storage = data.untyped_storage()
+            needed = data.numel() * data.element_size()
+            if storage.size() < needed:
+                storage.resize_(needed)
 
     def free(self) -> None:
-        self.data.untyped_storage().resize_(0)
+        for data in self.slots:
+            data.untyped_storage().resize_(0)
+
+    def note_own_references(self, index: int) -> None:
+        self.own_references[index] = _references(self.slots[index])
+
+    def slot_bytes(self, index: int) -> int:
+        data = self.slots[index]
+        return data.numel() * data.element_size()
+
+    def free_slot(self, index: int) -> int:
+        """Free one slot's storage (its full parameter's) unless a tensor not of this library's still views it; the
+        bytes freed."""
+        own = self.own_references.get(index)
+        if own is None or _references(self.slots[index]) > own:
+            return 0
+        storage = self.slots[index].untyped_storage()
+        freed = storage.size()
+        storage.resize_(0)
+        return freed
+
+
+def _references(tensor: torch.Tensor) -> int:
+    """How many tensors view ``tensor``'s storage."""
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
 
 
 @dataclass

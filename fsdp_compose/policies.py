@@ -9,6 +9,7 @@ functions below, field by field, so code written for torch's ``fully_shard`` pas
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
 import torch.distributed.fsdp as torch_fsdp
@@ -151,3 +152,10 @@ def as_dp_mesh_dims(dims: object, where: str) -> DataParallelMeshDims | None:
         f"dp_mesh_dims of {where} must be an fsdp_compose.DataParallelMeshDims or a "
         f"torch.distributed.fsdp.DataParallelMeshDims (or None), got {_qualname(dims)}"
     )
+
+
+# When a unit gathered for its backward issues its implicit prefetch (the next unit's all-gather):
+# "before" its backward (FSDP2's timing), "midway" through it (the default), "after" it (FSDP1's BACKWARD_POST).
+# See fc.set_backward_prefetch_point.
+PrefetchPoint = Literal["before", "midway", "after"]
+PREFETCH_POINTS: tuple[PrefetchPoint, ...] = ("before", "midway", "after")

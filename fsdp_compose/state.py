@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .autograd_hooks import StepOwner, check_not_compiled_autograd, gradient_node, in_backward
 from .collectives import labelled
-from .policies import MixedPrecisionPolicy
+from .policies import MixedPrecisionPolicy, PrefetchPoint
 from .pytrees import map_tensors, tensors_in
 from .unit import ShardedUnit, UnitState
 
@@ -193,7 +193,7 @@ class ShardState:
         # Prefetch targets set with fc.set_modules_to_*_prefetch (None: implicit, from the declared schedule).
         self.forward_prefetch: list[ShardState] | None = None
         self.backward_prefetch: list[ShardState] | None = None
-        self.backward_prefetch_post = False  # fc.set_backward_prefetch_post: after the unit's backward, not before
+        self.backward_prefetch_point: PrefetchPoint = "midway"  # fc.set_backward_prefetch_point
         # Set at lazy init.
         self.root: ShardState | None = None
         self.ctx: StepOwner | None = None  # on the root only

@@ -24,6 +24,7 @@ agreed order, so ranks that stopped at different points meet at its end.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
-from .backward import BackwardWalk
+from .backward import BackwardWalk, graph_task
 from .checks import check_ranks_agree
 from .collectives import labelled
 from .grads import GradState
@@ -40,6 +41,7 @@ from .streams import side_stream
 from .unit import UnitState
 
 if TYPE_CHECKING:
+    from .flat import ManagedParam
     from .state import ShardState
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class StepContext:
         self.gather_stream = side_stream(root.device)
         for state in states:
             state.unit.grads.make_room = self.make_room
+            state.unit.on_gradient = functools.partial(self.gradient_made, state)
 
     @property
     def in_backward(self) -> bool:
@@ -202,6 +205,8 @@ class StepContext:
             device=self.root.device,
             where=self._where,
             wait_after=_wait_after(gather_order),
+            graph_task=graph_task(),
+            calls_here={id(s): len(calls) for s in self.states if (calls := running_calls[id(s)])},
         )
         self.phase = StepPhase.BACKWARD
         Variable._execution_engine.queue_callback(self._final_callback)
@@ -216,6 +221,11 @@ class StepContext:
     def call_backward_done(self, state: ShardState) -> None:
         if self.backward is not None:
             self.backward.call_backward_done(state)
+
+    def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
+        """A full parameter of ``state``'s unit got its gradient (see ``BackwardWalk.gradient_made``)."""
+        if self.backward is not None:
+            self.backward.gradient_made(state, mp)
 
     def make_room(self) -> None:
         """Called by a unit's gradients before they fill a new reduce-scatter input (see ``BackwardWalk``)."""

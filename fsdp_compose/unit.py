@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -69,6 +70,8 @@ class ShardedUnit:
         self.policy_reduce_dtype = reduce_dtype  # None: the compute dtype
         self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
         self.grads = UnitGradients(self._reduce_spec(), self.params)
+        # Set by the step context (step.py): told after each full parameter's gradient is made, during backward.
+        self.on_gradient: Callable[[ManagedParam], None] | None = None
         # What a protocol parameter's hooks receive (torch's policy class); fully_shard sets the whole policy
         self._attach_gather(torch_fsdp.MixedPrecisionPolicy(param_dtype, reduce_dtype))
 
@@ -201,6 +204,19 @@ class ShardedUnit:
         """Register the sharded parameters again and free the full parameters' storage (keeping the objects)."""
         self.gather.reshard()
 
+    def early_freeable_bytes(self) -> int:
+        """The bytes of the full parameters backward may free one by one (see ``FullParams.free_early``)."""
+        if self.state is not UnitState.UNSHARDED:
+            return 0
+        return self.gather.fulls.early_freeable_bytes(self.grads.trainable)
+
+    def free_early(self, mp: ManagedParam) -> int:
+        """Free one full parameter whose gradient is made, before the rest of the unit (see
+        ``FullParams.free_early``); the bytes freed (0: kept until the unit reshards)."""
+        if self.state is not UnitState.UNSHARDED:
+            return 0
+        return self.gather.fulls.free_early(mp)
+
     def reshard_to_group(self) -> None:
         """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest."""
         self.gather.reshard_to_group()
@@ -305,6 +321,7 @@ class ShardedUnit:
             )
         new = object.__new__(ShardedUnit)
         new.__dict__.update(self.__dict__)
+        new.on_gradient = None  # the copy's step context sets its own
         new.shards = self.shards.copy_for(memo)
         new.extensions = copy.deepcopy(self.extensions, memo)
         new._attach_gather(self.gather.hook_policy)  # SHARDED, nothing in flight, no full parameters yet

@@ -174,37 +174,58 @@ def test_backward_ending_an_accumulation_window_gathers_nothing_while_reducing(r
         assert r["plain"]["issued"] == prefetched  # a step without accumulation prefetches as before
 
 
-def _post_prefetch(rank: int, ws: int, post: bool, micro_batches: int = 1) -> dict[str, Any]:
-    """States of the block before each block during that block's backward, the collectives, and the parity."""
+def _prefetch_point(rank: int, ws: int, point: str | None, micro_batches: int = 1) -> dict[str, Any]:
+    """The state of block i-1 at two moments of block i's backward, the collectives, and the parity.
+
+    ``start``: the gradient of block i's MLP output (its backward begins); ``midway``: the gradient of its attention
+    output (the MLP's parameters, 2/3 of the block's bytes, have their gradients by then)."""
     cfg = GPTConfig(n_layers=4)
     reference, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws))
-    if post:
-        fc.set_backward_prefetch_post(model)
-    seen: list[tuple[int, str]] = []
+    if point is not None:
+        fc.set_backward_prefetch_point(model, point)  # type: ignore[arg-type]
+    seen: list[tuple[int, str, str]] = []
 
-    def watch(i: int) -> Any:
+    def watch(i: int, moment: str) -> Any:
         def forward_hook(module: Any, args: Any, output: torch.Tensor) -> None:
             previous = fc.get_state(model.blocks[i - 1]).unit
-            output.register_hook(lambda g: seen.append((i, previous.state.value)))
+            output.register_hook(lambda g: seen.append((i, moment, previous.state.value)))
 
         return forward_hook
 
     for i in range(1, 4):
-        model.blocks[i].mlp.register_forward_hook(watch(i))  # its gradient comes inside block i's backward
+        model.blocks[i].mlp.register_forward_hook(watch(i, "start"))
+        model.blocks[i].attn.register_forward_hook(watch(i, "midway"))
     with fc.CollectiveRecorder() as recorder:
         diff = train_pair(rank, ws, model, reference, cfg, steps=2, batch_size=8, micro_batches=micro_batches)
     return {"diff": diff, "seen": seen, "counts": recorder.counts()}
 
 
 @pytest.mark.parametrize("ws", [2, 4])
-def test_backward_prefetch_post_issues_the_next_gather_after_each_backward(run_dist, ws: int) -> None:
-    """fc.set_backward_prefetch_post: during block i's backward, block i-1's all-gather is not issued yet (by
-    default it is, from block i's pre-backward); same results and collectives, also through no-sync micro-batches."""
-    posts, defaults = run_dist(ws, _post_prefetch, True, 2), run_dist(ws, _post_prefetch, False)
-    for post, default in zip(posts, defaults, strict=True):
-        assert post["diff"] <= 1e-5 and default["diff"] <= 1e-5
-        synced = [state for _, state in post["seen"]]
-        assert synced and all(state == "sharded" for state in synced), post["seen"]
-        assert all(state in ("gathering", "unsharded") for _, state in default["seen"]), default["seen"]
-        assert post["counts"]["all_gather"] > 0
+def test_backward_prefetch_points(run_dist, ws: int) -> None:
+    """fc.set_backward_prefetch_point: block i-1's all-gather is issued when block i's backward starts ("before"),
+    once half of block i's parameter bytes have their gradients ("midway", the default: the first block of backward,
+    with no reduce-scatter in flight; on gloo a reduce-scatter completes only when waited for, so the others go at
+    their block's end), or once block i's backward is done ("after", also set by fc.set_backward_prefetch_post, here
+    through no-sync micro-batches). Same results and collectives for every point."""
+    results = {
+        "before": run_dist(ws, _prefetch_point, "before"),
+        "midway": run_dist(ws, _prefetch_point, None),
+        "after": run_dist(ws, _prefetch_point, "after", 2),
+    }
+    gathered = ("gathering", "unsharded")
+    for rank in range(ws):
+        before, midway, after = (results[p][rank] for p in ("before", "midway", "after"))
+        assert max(before["diff"], midway["diff"], after["diff"]) <= 1e-5
+        assert before["counts"] == midway["counts"]
+        assert all(state in gathered for _, _, state in before["seen"]), before["seen"]
+        assert midway["seen"] and all(state == "sharded" for _, moment, state in midway["seen"] if moment == "start")
+        assert all(state in gathered for i, moment, state in midway["seen"] if (i, moment) == (3, "midway"))
+        assert after["seen"] and all(state == "sharded" for _, _, state in after["seen"]), after["seen"]
+        assert after["counts"]["all_gather"] > 0
+
+
+def test_backward_prefetch_point_rejects_unknown_points() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="point must be one of 'before', 'midway', 'after'"):
+        fc.set_backward_prefetch_point(model, "early")  # type: ignore[arg-type]

@@ -9,19 +9,23 @@ and :class:`_Walk` replays its rules:
 - forward: a unit is gathered when its first module is entered (all-gather, copy-out), then the next unit in
   registration order is prefetched; a unit that reshards after forward (``all_gather(backward)`` among its
   collectives when it has peers) frees its full parameters at the end of its forward;
-- backward: the gather cursor walks ``gather_order`` (each unit passed is gathered, the one needed now copied out,
-  then the next one in the order prefetched); a unit's backward done: reshard, stage its gradients into a
-  reduce-scatter input (before that, the oldest reduction in flight completes when one is already in flight: the
-  window of one), and the reduce cursor issues reductions in ``reduce_order`` as far as their units are done; the
-  final callback completes the rest.
+- backward: the gather cursor walks ``gather_order`` (each unit passed is gathered, the one needed now copied out);
+  each full parameter is freed as its gradient is made; the unit needed now prefetches the next one in the order
+  at its midway point (``fc.set_backward_prefetch_point``, the default): once half its parameter bytes are freed if
+  no reduction is in flight then (a simulated reduce-scatter, like gloo's, completes only when waited for), else at
+  its end, after its gradients are staged; the root, needed at both ends of backward, prefetches at once. A unit's
+  backward done: reshard, land what it prefetched midway (copy-out), stage its gradients into a reduce-scatter input
+  (before that, the oldest reduction in flight completes when one is already in flight: the window of one), and the
+  reduce cursor issues reductions in ``reduce_order`` as far as their units are done; the final callback completes
+  the rest.
 
 What the units compute between those events is the GPT's, in closed form. Notation (elements; fp32 = 4 bytes each):
 ``N = batch x seq`` tokens, ``D`` width, ``F = mlp_ratio x D``, ``H`` heads, ``V`` vocabulary, ``P`` the learned
 positions, ``S`` shard-group size. Per unit ``u``: ``seg_u`` the padded segment (analytic.py), ``full_u`` its unsharded
 elements (its full gradients), ``Z_u`` its 0-dim trainable parameters; full parameters and all-gather buffer
-``S seg_u`` each (the full parameters live in one padded buffer, see full_params.py), reduce-scatter input
-``S (seg_u + Z_u)`` and output ``seg_u + Z_u`` (a 0-dim gradient is a column of its own; "had a gradient" flag columns
-come only where a backward cannot promise every gradient, see grads.py: never in this model).
+``S seg_u`` each (the full parameters live in padded buffers, one per parameter, see gather_plan.py), reduce-scatter
+input ``S (seg_u + Z_u)`` and output ``seg_u + Z_u`` (a 0-dim gradient is a column of its own; "had a gradient" flag
+columns come only where a backward cannot promise every gradient, see grads.py: never in this model).
 
 Activations one block keeps for backward: ``A = 16 N D + H N + 4 N`` (LayerNorm inputs and outputs, the qkv
 projection ``3 N D``, attention output ``N D`` and log-sum-exp ``H N``, MLP hidden before and after GELU ``2 N F``,
@@ -32,7 +36,7 @@ Configurations outside this scope get no model (``None``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -107,6 +111,7 @@ class _Unit:
     rs_out: int  # seg + Z
     trainable: bool  # has trainable parameters: its gradients are reduced (copied out at one rank)
     reshards_after_forward: bool  # frees its full parameters after forward (all_gather(backward) when S > 1)
+    shards: int = 1  # S
 
 
 ACT = "activations"
@@ -134,6 +139,9 @@ class _Walk:
         self.done: set[str] = set()
         self.staged: set[str] = set()
         self.reducing: list[str] = []  # reductions whose input is alive, oldest first
+        self.freed: dict[str, int] = {}  # unit -> full parameter elements freed early in this backward
+        self.deferred: dict[str, tuple[str, int]] = {}  # unit -> (its prefetch target, elements to free first)
+        self.landing: dict[str, str] = {}  # unit -> the unit it prefetched midway
 
     # ------------------------------------------------------------------ gathering
     def _start_gather(self, name: str) -> None:
@@ -157,8 +165,27 @@ class _Walk:
 
     def reshard(self, name: str) -> None:
         if self.where[name] == "gathered":
-            self.s.free(GATHERED, self.units[name].gathered)
+            self.s.free(GATHERED, self.units[name].gathered - self.freed.pop(name, 0))
             self.where[name] = "sharded"
+
+    def gradients_made(self, name: str, shapes: Sequence[tuple[int, ...]]) -> None:
+        """Gradients of parameters of ``name`` (these shapes) were accumulated: their full parameters are freed, and
+        the unit's midway prefetch goes out once half its bytes are, if no reduction is in flight."""
+        unit = self.units[name]
+        if self.s.phase != "backward" or self.where[name] != "gathered" or not unit.trainable:
+            return
+        freed = sum(unit.shards * -(-shape[0] // unit.shards) * _prod(shape[1:]) for shape in shapes if shape)
+        self.s.free(GATHERED, freed)
+        self.freed[name] = self.freed.get(name, 0) + freed
+        deferred = self.deferred.get(name)
+        if deferred is not None and self.freed[name] >= deferred[1] and not self.reducing:
+            del self.deferred[name]
+            self._start_gather(deferred[0])
+            self.landing[name] = deferred[0]
+
+    def _wait_for_reductions(self) -> None:
+        while self.reducing:
+            self.s.free(RS_IN, self.units[self.reducing.pop(0)].rs_in)
 
     def enter_forward(self, name: str) -> None:
         """A unit's pre-forward: gather it, prefetch the next unit in registration order."""
@@ -178,23 +205,37 @@ class _Walk:
         while self.gather_cursor <= target:
             passed = self.gather_order[self.gather_cursor]
             self.gather_cursor += 1
-            if passed == name:
-                self._gather_now(passed)
-            else:
+            following = self.gather_order[self.gather_cursor] if self.gather_cursor < len(self.gather_order) else None
+            if passed != name:
                 self._start_gather(passed)
-            if self.gather_cursor < len(self.gather_order):
-                self._start_gather(self.gather_order[self.gather_cursor])
+                if following is not None:
+                    self._start_gather(following)
+                continue
+            self._gather_now(passed)
+            unit = self.units[passed]
+            if following is None:
+                continue
+            if unit.reshards_after_forward and unit.trainable:
+                self.deferred[passed] = (following, unit.gathered // 2)
+            else:
+                self._wait_for_reductions()
+                self._start_gather(following)
 
     # ------------------------------------------------------------------ reductions
     def end_backward(self, name: str) -> None:
-        """A unit's post-backward: reshard, stage its gradients (after room is made), issue reductions in order."""
+        """A unit's post-backward: reshard, land its midway prefetch, stage its gradients (after room is made), issue
+        its prefetch if held back to here, issue reductions in order."""
         self.reshard(name)
+        if name in self.landing:
+            self._gather_now(self.landing.pop(name))
         unit = self.units[name]
         if unit.rs_in:
-            while len(self.reducing) >= 1:
-                self.s.free(RS_IN, self.units[self.reducing.pop(0)].rs_in)
+            self._wait_for_reductions()
             self.s.add(RS_IN, unit.rs_in)
         self.s.free(GRAD, unit.full)
+        if name in self.deferred:
+            self._wait_for_reductions()
+            self._start_gather(self.deferred.pop(name)[0])
         self.done.add(name)
         while self.reduce_cursor < len(self.reduce_order) and self.reduce_order[self.reduce_cursor] in self.done:
             reduced = self.reduce_order[self.reduce_cursor]
@@ -246,27 +287,32 @@ def _forward(s: _Schedule, m: _Gpt, walk: _Walk, blocks: Mapping[int, str], root
     s.free(ACT, n * v)  # logits: the model's output, gone once the loss exists
 
 
-def _block_backward(s: _Schedule, m: _Gpt) -> None:
-    """One block's backward; starts with the gradient of its output (N D) alive, ends with its input's."""
+def _block_backward(s: _Schedule, m: _Gpt, made: Callable[[Sequence[tuple[int, ...]]], None]) -> None:
+    """One block's backward; starts with the gradient of its output (N D) alive, ends with its input's. ``made``:
+    the shapes of the parameters whose gradients were just accumulated."""
     n, d, f, h = m.n, m.d, m.f, m.h
     s.add(TEMP, n * f)  # grad of the gelu output
     s.add(GRAD, d * f + d)  # mlp proj weight, bias
+    made([(d, f), (d,)])
     s.free(ACT, n * f)  # saved gelu output
     s.add(TEMP, n * f)  # grad of the fc output
     s.free(TEMP, n * f)
     s.free(ACT, n * f)  # grad of the gelu output, saved fc output
     s.add(TEMP, n * d)  # grad of the ln2 output
     s.add(GRAD, d * f + f)  # fc weight, bias
+    made([(f, d), (f,)])
     s.free(TEMP, n * f)
     s.free(ACT, n * d)  # grad of the fc output, saved ln2 output
     s.add(TEMP, n * d)  # ln2 backward: grad of its input
     s.add(GRAD, 2 * d)
+    made([(d,), (d,)])
     s.free(TEMP, n * d)
     s.free(ACT, n * d + 2 * n)  # grad of the ln2 output, saved x1, ln2 mean/rstd
     s.add(TEMP, n * d)  # residual: grad of x1
     s.free(TEMP, 2 * n * d)
     s.add(TEMP, n * d)  # attention projection: grad of its input
     s.add(GRAD, d * d + d)
+    made([(d, d), (d,)])
     s.add(TEMP, 3 * n * d)  # attention backward: grads of q, k, v
     s.free(TEMP, n * d)
     s.free(ACT, 4 * n * d + h * n)  # grad of the projection input, attention output, lse, qkv
@@ -276,10 +322,12 @@ def _block_backward(s: _Schedule, m: _Gpt) -> None:
     s.free(TEMP, 3 * n * d)
     s.add(TEMP, n * d)  # qkv backward: grad of the ln1 output
     s.add(GRAD, 3 * d * d + 3 * d)
+    made([(3 * d, d), (3 * d,)])
     s.free(TEMP, 3 * n * d)
     s.free(ACT, n * d)  # grad of qkv, saved ln1 output
     s.add(TEMP, n * d)  # ln1 backward
     s.add(GRAD, 2 * d)
+    made([(d,), (d,)])
     s.free(TEMP, n * d)
     s.free(ACT, n * d + 2 * n)  # grad of the ln1 output, saved block input, ln1 mean/rstd
     s.add(TEMP, n * d)  # residual: grad of the block input
@@ -298,24 +346,29 @@ def _backward(s: _Schedule, m: _Gpt, walk: _Walk, blocks: Mapping[int, str], roo
     s.free(ACT, n * v)  # and the saved log-probabilities
     walk.enter_backward(root)  # the root's outputs are the loss's inputs: its pre-backward comes first
     s.add(GRAD, v * d)  # head weight
+    walk.gradients_made(root, [(v, d)])
     s.add(TEMP, n * d)  # grad of the ln_f output
     s.free(TEMP, n * v)
     s.free(ACT, n * d)  # grad of the logits, saved ln_f output
     s.add(TEMP, n * d)  # ln_f backward
     s.add(GRAD, 2 * d)
+    walk.gradients_made(root, [(d,), (d,)])
     s.free(TEMP, n * d)
     s.free(ACT, n * d + 2 * n)  # grad of the ln_f output, saved x_L, mean/rstd
     for i in reversed(range(m.layers)):
         unit = blocks.get(i)
         if unit is not None:
             walk.enter_backward(unit)
-        _block_backward(s, m)
+        owner = unit if unit is not None else root
+        _block_backward(s, m, lambda shapes, owner=owner: walk.gradients_made(owner, shapes))  # type: ignore[misc]
         if unit is not None:
             walk.end_backward(unit)
     s.add(TEMP, m.t * d)  # positions: sum over the batch
     s.add(GRAD, m.p * d)  # padded to all positions
+    walk.gradients_made(root, [(m.p, d)])
     s.free(TEMP, m.t * d)
     s.add(GRAD, v * d)  # token embedding
+    walk.gradients_made(root, [(v, d)])
     s.free(TEMP, n * d)  # grad of x0
     walk.end_backward(root)
     walk.finish()
@@ -407,6 +460,7 @@ def peak_model(config: PlanConfig, record: StepRecord) -> PeakModel | None:
             rs_out=seg + scalars,
             trainable=any(p.trainable for p in infos),
             reshards_after_forward=reshards,
+            shards=shards,
         )
 
     schedule = record.schedule

@@ -213,9 +213,13 @@ class BackwardWalk:
             state.unit.reshard()
         for prefetched in self.landing.pop(id(state), []):
             # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
-            # then it never meets this unit's reduce-scatter input and output (issued next).
-            if prefetched.unit.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
-                prefetched.gather_now()
+            # then it never meets this unit's reduce-scatter input and output (issued next). On a CPU device only
+            # if its all-gather has arrived: a blocking wait here could wait for a peer that issues that
+            # all-gather only after this rank's next reduce-scatter (a peer that does not run the unit).
+            unit = prefetched.unit
+            if unit.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
+                if self.device.type != "cpu" or unit.gather_arrived():
+                    prefetched.gather_now()
         state.opened = False
         grads = state.unit.grads
         if not state.reduces_now:

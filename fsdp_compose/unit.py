@@ -192,6 +192,10 @@ class ShardedUnit:
         """Issue the all-gather in ``dtype`` (``UnitGather.start``); a gather from the shards adopts changes first."""
         self.gather.start(dtype, async_op=async_op, stream=stream, adopt=self.adopt_if_changed)
 
+    def gather_arrived(self) -> bool:
+        """GATHERING: has its all-gather completed (a check, not a wait)?"""
+        return self.gather.arrived()
+
     def finish_unshard(self) -> None:
         """Wait for the all-gather, fill the full parameters and register them on the modules."""
         self.gather.finish()

@@ -68,7 +68,8 @@ class BackwardWalk:
     gathered: set[int] = field(default_factory=set)  # ids whose backward all-gather was issued (cursor or prefetch)
     reducing: list[ShardState] = field(default_factory=list)  # reductions whose input may be alive, oldest first
     calls_here: dict[int, int] = field(default_factory=dict)  # id -> calls of it this backward runs here
-    graph_task: int | None = None  # autograd's id of this backward (a nested one, a reentrant recompute's, differs)
+    # autograd's id of this backward (a nested one, a reentrant recompute's, differs); None: nothing is freed early
+    graph_task: int | None = None
     # id -> the implicit prefetch of a unit gathered now, held back (``backward_prefetch_point`` midway or after)
     deferred: dict[int, _Deferred] = field(default_factory=dict)
     freed_early: dict[int, int] = field(default_factory=dict)  # id -> bytes of its full parameters freed early
@@ -143,7 +144,9 @@ class BackwardWalk:
         unit's only call here, or its last one still running; if the unit reshards at its end anyway (nothing
         else changes: no collective, no order); if no recompute of it is still to come; and if this is the
         backward itself, not a nested one (a reentrant checkpoint's recompute: the outer graph may still read
-        it). ``FullParams.free_early`` adds the last check: nothing but the library's own tensors views it.
+        it). A backward that runs a reentrant checkpoint anywhere frees nothing early (``graph_task`` is None: see
+        ``step._recomputes_inside``). ``FullParams.free_early`` adds the last check: nothing but the library's own
+        tensors views it.
         """
         if nested is None:
             nested = graph_task() != self.graph_task

@@ -42,7 +42,7 @@ from .unit import UnitState
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
-    from .state import ShardState
+    from .state import ShardState, _Entry
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class StepContext:
             device=self.root.device,
             where=self._where,
             wait_after=_wait_after(gather_order),
-            graph_task=graph_task(),
+            graph_task=graph_task() if not _recomputes_inside(running_calls) else None,
             calls_here={id(s): len(calls) for s in self.states if (calls := running_calls[id(s)])},
         )
         self.phase = StepPhase.BACKWARD
@@ -355,6 +355,35 @@ def _decide_flag_columns(states: list[ShardState], gradient_somewhere: list[bool
         grads.input.flags_needed = not all(
             got for mp, got in zip(state.unit.params, agreed, strict=True) if mp.trainable
         )
+
+
+def _recomputes_inside(running_calls: dict[int, list[_Entry]]) -> bool:
+    """Does this backward run a reentrant activation checkpoint (``torch.utils.checkpoint(use_reentrant=True)``,
+    or Megatron's or DeepSpeed's, which share the name ``CheckpointFunction``)?
+
+    Its recompute reads the parameters of the modules it runs from the modules themselves, with no edge of the graph
+    to order it before their gradients: such a backward frees no parameter early (``BackwardWalk._frees_early``).
+    A unit called inside the checkpoint is seen by its entry; a checkpoint inside a unit's forward by the graph
+    below the units' outputs, walked once.
+    """
+    stack: list[Any] = []
+    for calls in running_calls.values():
+        for entry in calls:
+            if entry.inputs is not None or entry.anchor is not None:
+                return True
+            node = entry.pre() if entry.pre is not None else None
+            if node is not None:
+                stack.append(node)
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return False
 
 
 def _wait_after(gather_order: list[ShardState]) -> dict[int, int]:

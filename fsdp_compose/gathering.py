@@ -217,12 +217,12 @@ class UnitGather:
         self._to(UnitState.GATHERING)
 
     # ------------------------------------------------------------------ wait and copy out
-    @_plain_tensors
     def arrived(self) -> bool:
         """GATHERING: has the all-gather completed (a check, not a wait)? True when there is nothing to wait for."""
         pending = self._pending_gather
         return pending is None or pending.work is None or pending.work.is_completed()
 
+    @_plain_tensors
     def finish(self) -> None:
         """Wait for the all-gather, fill the full parameters and register them on the modules."""
         if self.state is not UnitState.GATHERING:

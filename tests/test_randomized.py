@@ -586,7 +586,7 @@ FOUND_BY_THE_SWEEP = {
     # a micro-batch whose body backward raises (every rank) after the chunked loss ran the [norm, head] unit's chunk
     # backwards is thrown away: the next step's norm gradient was doubled (the failed step's reduced rows still
     # waiting for their copy were handed out by the reset; repros/chunked_backward_fault_leak.py)
-    # the sweep's seed 105 at 2 ranks (a side unit only even ranks run, a reentrant checkpoint inside a block,
+    # a drawn configuration at 2 ranks (a side unit only even ranks run, a reentrant checkpoint inside a block,
     # sharded accumulation, explicit prefetch pairs): a rank landing its midway prefetch at a unit's end waited
     # (blocking, on gloo) for an all-gather its peer issues only after this rank's next reduce-scatter: a hang
     "landing_a_midway_prefetch_waited_for_a_peer": config_from_seed(105, 2),

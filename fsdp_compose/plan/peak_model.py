@@ -14,7 +14,8 @@ and :class:`_Walk` replays its rules:
   at its midway point (``fc.set_backward_prefetch_point``, the default): once half its parameter bytes are freed if
   no reduction is in flight then (a simulated reduce-scatter, like gloo's, completes only when waited for), else at
   its end, after its gradients are staged; the root, needed at both ends of backward, prefetches at once. A unit's
-  backward done: reshard, land what it prefetched midway (copy-out), stage its gradients into a reduce-scatter input
+  backward done: reshard (what it prefetched midway lands at its own pre-backward here: the simulated process group
+  never reports an all-gather arrived), stage its gradients into a reduce-scatter input
   (before that, the oldest reduction in flight completes when one is already in flight: the window of one), and the
   reduce cursor issues reductions in ``reduce_order`` as far as their units are done; the final callback completes
   the rest.
@@ -141,7 +142,6 @@ class _Walk:
         self.reducing: list[str] = []  # reductions whose input is alive, oldest first
         self.freed: dict[str, int] = {}  # unit -> full parameter elements freed early in this backward
         self.deferred: dict[str, tuple[str, int]] = {}  # unit -> (its prefetch target, elements to free first)
-        self.landing: dict[str, str] = {}  # unit -> the unit it prefetched midway
 
     # ------------------------------------------------------------------ gathering
     def _start_gather(self, name: str) -> None:
@@ -181,7 +181,6 @@ class _Walk:
         if deferred is not None and self.freed[name] >= deferred[1] and not self.reducing:
             del self.deferred[name]
             self._start_gather(deferred[0])
-            self.landing[name] = deferred[0]
 
     def _wait_for_reductions(self) -> None:
         while self.reducing:
@@ -223,11 +222,11 @@ class _Walk:
 
     # ------------------------------------------------------------------ reductions
     def end_backward(self, name: str) -> None:
-        """A unit's post-backward: reshard, land its midway prefetch, stage its gradients (after room is made), issue
-        its prefetch if held back to here, issue reductions in order."""
+        """A unit's post-backward: reshard, stage its gradients (after room is made), issue its prefetch if held back
+        to here, issue reductions in order."""
         self.reshard(name)
-        if name in self.landing:
-            self._gather_now(self.landing.pop(name))
+        # A midway prefetch lands here only once its all-gather has arrived (checked, not waited for, on a CPU
+        # device); the simulated process group never reports one arrived: it lands at its pre-backward.
         unit = self.units[name]
         if unit.rs_in:
             self._wait_for_reductions()

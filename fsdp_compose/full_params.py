@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from .flat import FlatShard, ManagedParam, make_full_param
-from .gather_plan import FullBuffer, GatherPlan
+from .gather_plan import FullBuffer, GatherPlan, allocate_storage
 from .grads import UnitGradients
 from .offload import UnitDevices
 from .sharding import copy_param_from_segments
@@ -192,10 +192,7 @@ class FullParams:
             self.hook(mp)
         if mp.full_data is None:
             raise internal_error(f"parameter {mp.fqn}", "mp.full_data is missing")
-        storage = mp.full_data.untyped_storage()
-        needed = mp.full_data.numel() * mp.full_data.element_size()
-        if storage.size() < needed:
-            storage.resize_(needed)
+        allocate_storage(mp.full_data)
         return mp.full_data
 
     # ------------------------------------------------------------------ freeing them

@@ -23,7 +23,7 @@ import torch
 
 from .sharding import FlatLayout, copy_param_from_segments
 
-__all__ = ["FullBuffer", "GatherPlan", "gather_dtype"]
+__all__ = ["FullBuffer", "GatherPlan", "allocate_storage", "gather_dtype"]
 
 _FLOAT8 = frozenset(
     getattr(torch, name)
@@ -99,10 +99,7 @@ class FullBuffer:
 
     def allocate(self) -> None:
         for data in self.slots:
-            storage = data.untyped_storage()
-            needed = data.numel() * data.element_size()
-            if storage.size() < needed:
-                storage.resize_(needed)
+            allocate_storage(data)
 
     def free(self) -> None:
         for data in self.slots:
@@ -112,8 +109,7 @@ class FullBuffer:
         self.own_references[index] = _references(self.slots[index])
 
     def slot_bytes(self, index: int) -> int:
-        data = self.slots[index]
-        return data.numel() * data.element_size()
+        return _nbytes(self.slots[index])
 
     def free_slot(self, index: int) -> int:
         """Free one slot's storage (its full parameter's) unless a tensor not of this library's still views it; the
@@ -125,6 +121,17 @@ class FullBuffer:
         freed = storage.size()
         storage.resize_(0)
         return freed
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def allocate_storage(tensor: torch.Tensor) -> None:
+    """Resize ``tensor``'s storage back to its size if a reshard freed it (a no-op when it is allocated)."""
+    storage = tensor.untyped_storage()
+    if storage.size() < _nbytes(tensor):
+        storage.resize_(_nbytes(tensor))
 
 
 def _references(tensor: torch.Tensor) -> int:

@@ -78,21 +78,22 @@ class _ReadsAfterItsGradient(nn.Module):
         return torch.tanh(self.lin(h))
 
 
-def _detached_reader(rank: int, ws: int) -> float:
+def _two_layers_against_reference(rank: int, ws: int, layer: type[nn.Module]) -> float:
+    """Two ``layer``s, each a unit under the root, three SGD steps on this rank's rows against the reference on all
+    of them (the input needs grad, so every layer's backward runs); max |diff| of the parameters."""
     torch.manual_seed(0)
-    reference = nn.Sequential(_ReadsAfterItsGradient(), _ReadsAfterItsGradient())
-    model = nn.Sequential(_ReadsAfterItsGradient(), _ReadsAfterItsGradient())
-    model.load_state_dict(reference.state_dict())
+    reference = nn.Sequential(layer(), layer())
+    model = copy.deepcopy(reference)
     mesh = mesh_1d(ws)
-    for layer in model:
-        fc.fully_shard(layer, mesh=mesh)
+    for unit in model:
+        fc.fully_shard(unit, mesh=mesh)
     fc.fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
-        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
         ref_opt.zero_grad()
-        reference(x).square().mean().backward()
+        reference(x.requires_grad_()).square().mean().backward()
         ref_opt.step()
         opt.zero_grad()
         model(local_batch(x.detach(), rank, ws).requires_grad_()).square().mean().backward()
@@ -104,7 +105,7 @@ def _detached_reader(rank: int, ws: int) -> float:
 def test_a_parameter_read_after_its_gradient_is_kept(run_dist, ws: int) -> None:
     """A node that reads a parameter through a detached alias runs after the parameter's gradient is accumulated:
     the alias keeps the parameter alive until the unit ends (freed early it would be read as garbage)."""
-    for diff in run_dist(ws, _detached_reader):
+    for diff in run_dist(ws, _two_layers_against_reference, _ReadsAfterItsGradient):
         assert diff <= 1e-5
 
 
@@ -123,31 +124,10 @@ class _TiedInsideReentrantCheckpoint(nn.Module):
         return torch.tanh(self.outer(torch.tanh(h)))
 
 
-def _reentrant_reader(rank: int, ws: int) -> float:
-    torch.manual_seed(0)
-    reference = nn.Sequential(_TiedInsideReentrantCheckpoint(), _TiedInsideReentrantCheckpoint())
-    model = copy.deepcopy(reference)
-    mesh = mesh_1d(ws)
-    for layer in model:
-        fc.fully_shard(layer, mesh=mesh)
-    fc.fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(3):
-        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
-        ref_opt.zero_grad()
-        reference(x.requires_grad_()).square().mean().backward()
-        ref_opt.step()
-        opt.zero_grad()
-        model(local_batch(x.detach(), rank, ws).requires_grad_()).square().mean().backward()
-        opt.step()
-    return max_param_diff(model, reference)
-
-
 @pytest.mark.parametrize("ws", [1, 2])
 def test_a_backward_with_a_reentrant_checkpoint_frees_nothing_early(run_dist, ws: int) -> None:
     """A reentrant checkpoint's recompute reads a weight whose gradient the outer graph already accumulated (the
     random sweep found it: "setStorage ... out of bounds for storage of size 0"): such a backward frees nothing
     early, and trains like the reference."""
-    for diff in run_dist(ws, _reentrant_reader):
+    for diff in run_dist(ws, _two_layers_against_reference, _TiedInsideReentrantCheckpoint):
         assert diff <= 1e-5

@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .analytic import owned_rows, segment_numel, sharded_state
+from .analytic import owned_rows, padded_rows, segment_numel, sharded_state
 from .step import ParamInfo, PlanConfig, StepRecord
 
 __all__ = ["PeakModel", "peak_model"]
@@ -174,7 +174,7 @@ class _Walk:
         unit = self.units[name]
         if self.s.phase != "backward" or self.where[name] != "gathered" or not unit.trainable:
             return
-        freed = sum(unit.shards * -(-shape[0] // unit.shards) * _prod(shape[1:]) for shape in shapes if shape)
+        freed = sum(unit.shards * padded_rows(shape[0], unit.shards) * _prod(shape[1:]) for shape in shapes if shape)
         self.s.free(GATHERED, freed)
         self.freed[name] = self.freed.get(name, 0) + freed
         deferred = self.deferred.get(name)
@@ -247,9 +247,7 @@ class _Walk:
 
     def finish(self) -> None:
         """The final callback: wait for the reductions left."""
-        for name in self.reducing:
-            self.s.free(RS_IN, self.units[name].rs_in)
-        self.reducing = []
+        self._wait_for_reductions()
 
 
 def _forward(s: _Schedule, m: _Gpt, walk: _Walk, blocks: Mapping[int, str], root: str) -> None:

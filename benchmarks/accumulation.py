@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: 
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import fsdp_compose as fc  # noqa: E402
-from benchmarks.memory import LiveBytesCounter, live_storage_keys, tensors_since  # noqa: E402
+from benchmarks.memory import LiveBytesCounter, gloo_reduce_scatter_copies, live_storage_keys, tensors_since  # noqa: E402
 from benchmarks.report import MIB, _header, _ms, _ratio, _table, write_section  # noqa: E402
 from benchmarks.run import VARIANTS, BenchArgs, Impl, _rank_max, add_model_arguments, build, local_batch  # noqa: E402
 from examples.gpt_model import loss_fn  # noqa: E402
@@ -179,7 +179,7 @@ def measure_memory(name: str, args: AccumArgs, mesh: DeviceMesh) -> dict[str, An
     counter.register(tensors_since(snapshot))
     phases = PhasePeaks(counter)
     dist.barrier()
-    with fc.CollectiveRecorder(scope=counter.collective_scope) as coll, counter:
+    with fc.CollectiveRecorder(scope=counter.collective_scope) as coll, gloo_reduce_scatter_copies(counter), counter:
         run_window(impl, batches, phases)
     counter.close()
     values = [counter.baseline_bytes, counter.hidden_bytes, phases.after["no_sync"]]

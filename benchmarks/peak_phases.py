@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: 
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import fsdp_compose as fc  # noqa: E402
-from benchmarks.memory import LiveBytesCounter, live_storage_keys, tensors_since  # noqa: E402
+from benchmarks.memory import LiveBytesCounter, gloo_reduce_scatter_copies, live_storage_keys, tensors_since  # noqa: E402
 from benchmarks.report import MIB, write_section  # noqa: E402
 from benchmarks.run import VARIANTS, BenchArgs, Impl, add_model_arguments, build, local_batch  # noqa: E402
 from examples.gpt_model import loss_fn  # noqa: E402
@@ -151,7 +151,7 @@ def measure(name: str, config: str, args: BenchArgs, mesh: DeviceMesh) -> dict[s
     labeller = Labeller(counter, impl)
     recorder = fc.CollectiveRecorder(scope=counter.collective_scope, observer=labeller.on_collective)
     dist.barrier()
-    with recorder, counter:
+    with recorder, gloo_reduce_scatter_copies(counter), counter:
         counter.set_phase("forward")
         loss = loss_fn(impl.model(x), y)
         counter.set_phase("backward")

@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import fsdp_compose as fc  # noqa: E402
 from benchmarks.comm import UnitSpec, min_collective_bytes  # noqa: E402
-from benchmarks.memory import LiveBytesCounter, live_storage_keys, tensors_since  # noqa: E402
+from benchmarks.memory import LiveBytesCounter, gloo_reduce_scatter_copies, live_storage_keys, tensors_since  # noqa: E402
 from benchmarks.report import render_tables, write_section  # noqa: E402
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 
@@ -219,7 +219,7 @@ def measure_memory(name: str, variant: Variant, args: BenchArgs, mesh: DeviceMes
     counter = LiveBytesCounter()
     counter.register(tensors_since(snapshot))
     dist.barrier()
-    with fc.CollectiveRecorder(scope=counter.collective_scope), counter:
+    with fc.CollectiveRecorder(scope=counter.collective_scope), gloo_reduce_scatter_copies(counter), counter:
         impl.step(x, y)
     counter.close()
     stats = [counter.peak_bytes, counter.baseline_bytes, counter.late_bytes, counter.hidden_bytes]

@@ -48,6 +48,19 @@ class ReduceSpec:
     grad_dtype: torch.dtype  # the sharded parameters' dtype, which ``.grad`` takes
     extensions: ShardExtensions
 
+    @property
+    def input_copied_at_issue(self) -> bool:
+        """Does the reduce-scatter copy its input before the call returns (then nothing needs the input while it
+        runs)? gloo's does on a CPU device: ``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` clones the input
+        and all-reduces the clone. Elsewhere (NCCL reads the input as it runs) the input is kept until the wait."""
+        if self.device.type != "cpu":
+            return False
+        try:
+            backend = str(dist.get_backend(self.reduce_group))
+        except (RuntimeError, ValueError):
+            return False  # a group torch does not know (a fake one in the planner): keep the input
+        return backend == "gloo"
+
 
 @dataclass(frozen=True)
 class RowsLayout:

@@ -65,7 +65,7 @@ class _InFlight:
 
     work: Work | None
     output: torch.Tensor
-    buffer: torch.Tensor | None  # the reduce-scatter input, kept alive until the reduce-scatter completes
+    buffer: torch.Tensor | None  # the reduce-scatter input, kept alive until it completes (None: copied at issue)
     missing_locally: bool
     flagged: bool  # the rows carry "had a gradient" counts after the segment
     synchronising: bool  # the gradients are final after this reduction (user hooks fire)
@@ -225,9 +225,10 @@ class UnitGradients:
                 output.copy_(buffer.view(-1))
             else:
                 work = reduce_scatter_flat(output, buffer.view(-1), spec.reduce_group, async_op=True)
-        self.flight = _InFlight(
-            work, output, buffer if work is not None else None, missing_locally, flagged, synchronising
-        )
+        # Kept alive until the wait unless the collective copied it already (gloo): then it is freed now.
+        kept = buffer if work is not None and not spec.input_copied_at_issue else None
+        del buffer
+        self.flight = _InFlight(work, output, kept, missing_locally, flagged, synchronising)
         self._to(GradState.REDUCE_SCATTERING)
         if spec.dp.replicate_group is not None and not all_reduce_replicas:
             self._wait_reduce_scatter(self.flight)
@@ -239,9 +240,7 @@ class UnitGradients:
             self._to(GradState.IDLE)
 
     def _wait_reduce_scatter(self, flight: _InFlight) -> None:
-        if flight.buffer is not None:
-            if flight.work is None:
-                raise internal_error(f"unit {self.spec.owner_name}", "flight.work is missing")
+        if flight.work is not None and self.state is GradState.REDUCE_SCATTERING:
             with labelled(f"fsdp_compose::reduce_scatter_wait[{self.spec.owner_name}]"):
                 flight.work.wait()
             flight.work = None

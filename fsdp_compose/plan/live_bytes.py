@@ -34,6 +34,8 @@ What is and isn't counted:
     ``Work.wait()``), it is a collective's temporary, allocated in the backend's worker thread and touched again on
     the calling thread (gloo's copy of a reduce-scatter's input): counted from then until freed, summed in
     ``late_bytes``;
+    the copy exists from the call on, so a caller that knows it (gloo's asynchronous reduce-scatter) counts it
+    from the call to the wait with :meth:`LiveBytesCounter.hold` / :meth:`LiveBytesCounter.release`;
   - anywhere else, with ``unseen="hidden"`` (the default), it is a buffer that existed before the step without a
     Python object, e.g. DDP's gradient buckets (allocated by its C++ reducer, first touched in backward): counted as
     alive since the start at its current size (added to the baseline and to the running peak), summed in
@@ -251,6 +253,25 @@ class LiveBytesCounter(TorchDispatchMode):
                 self._track(st)
         self.baseline_bytes = self.current_bytes
         self._note_peak(None)
+
+    def hold(self, owner: object, nbytes: int, name: str = DEFAULT_LABEL) -> None:
+        """Count ``nbytes`` a backend holds for ``owner`` (a collective's ``Work``) where no op of this thread shows
+        them, until :meth:`release`: gloo's copy of an asynchronous reduce-scatter's input, made inside the call."""
+        key = -id(owner)  # never a storage's key (those are addresses)
+        self.release(owner)
+        self._sizes[key] = nbytes
+        self._gen[key] = self._next_gen
+        self._next_gen += 1
+        self._labels[(key, self._gen[key])] = name
+        self.current_bytes += nbytes
+        self._note_peak(None)
+
+    def release(self, owner: object) -> None:
+        """Stop counting what :meth:`hold` counted for ``owner`` (nothing if it counts nothing)."""
+        key = -id(owner)
+        if key in self._sizes:
+            self.current_bytes -= self._sizes.pop(key)
+            self._gen.pop(key, None)
 
     def _track(self, st: torch.UntypedStorage) -> int:
         """Start tracking ``st``; returns its bytes when it was new, else 0."""

@@ -42,14 +42,9 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 
 import fsdp_compose as fc  # noqa: E402
+from benchmarks import memory  # noqa: E402
 from benchmarks.accumulation import AccumArgs, parse_args, run_window, warmed_up  # noqa: E402
-from benchmarks.memory import (
-    LiveBytesCounter,
-    gloo_reduce_scatter_copies,
-    live_storage_keys,
-    storages_of,
-    tensors_since,
-)  # noqa: E402
+from benchmarks.memory import LiveBytesCounter, live_storage_keys, storages_of, tensors_since  # noqa: E402
 from benchmarks.report import MIB  # noqa: E402
 
 _SITES = ("fsdp_compose/", "torch/distributed/fsdp/", "fsdp_compose/plan/gpt.py", "torch/autograd/")
@@ -226,7 +221,7 @@ def measure(name: str, args: AccumArgs, mesh: DeviceMesh) -> dict[str, Any]:
     counter.register(tensors_since(snapshot))
     phase = _SyncPhase(counter, name, impl.model)
     dist.barrier()
-    with fc.CollectiveRecorder(scope=counter.collective_scope), gloo_reduce_scatter_copies(counter), counter:
+    with fc.CollectiveRecorder(scope=counter.collective_scope), memory.gloo_reduce_scatter_copies(counter), counter:
         phase.name_known()  # e.g. full parameter storages parked at 0 bytes
         run_window(impl, batches, phase, step=False)
     by_label: dict[str, int] = defaultdict(int)

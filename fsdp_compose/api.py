@@ -245,9 +245,10 @@ def set_backward_prefetch_point(module: nn.Module, point: PrefetchPoint = "midwa
     """When each unit issues its implicit backward prefetch (the next unit's all-gather) during its own backward.
 
     - ``"midway"`` (the default): once half the bytes of the unit's trainable full parameters have their gradients
-      (backward frees each full parameter as soon as its gradient is accumulated) and no older reduce-scatter is
-      in flight (checked without waiting); at the unit's end at the latest. A unit with no trainable parameter, and
-      the root (needed at both ends of backward), prefetch at their start once older reduce-scatters completed.
+      (backward frees each full parameter as soon as its gradient is accumulated), after older reduce-scatters
+      completed (waited for there, where a wait cannot block a peer); at the unit's end at the latest. A unit
+      with no trainable parameter, and the root (needed at both ends of backward), prefetch at their start once
+      older reduce-scatters completed.
       What the prefetch holds then replaces parameters already freed, and it still overlaps the rest of the
       unit's backward.
     - ``"before"``: when the unit's backward starts (torch FSDP2's timing): the most overlap, the most memory

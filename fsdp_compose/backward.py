@@ -162,8 +162,8 @@ class BackwardWalk:
 
     def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
         """A full parameter of ``state`` got its gradient: free it now where ``_frees_early`` allows, then issue the
-        unit's midway prefetch once half its parameter bytes are freed and the window has room (checked without
-        waiting: otherwise at a later gradient, or at the unit's end)."""
+        unit's midway prefetch once half its parameter bytes are freed and the window has room (older reductions
+        are waited for where ``make_room`` may wait; otherwise at a later gradient, or at the unit's end)."""
         if not self._frees_early(state):
             return
         freed = state.unit.free_early(mp)
@@ -173,7 +173,9 @@ class BackwardWalk:
         deferred = self.deferred.get(id(state))
         if deferred is None or deferred.freed is None or total < deferred.freed:
             return
-        self.reap()
+        # The older reduce-scatters complete first where waiting for them is safe (``make_room``): gloo reports one
+        # complete only once it is waited for, and the unit's staging would wait for them anyway.
+        self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
         if len(self.reducing) < self.max_reduce_inputs:
             del self.deferred[id(state)]
             self._prefetch(deferred.targets)
@@ -259,6 +261,9 @@ class BackwardWalk:
             if state.reduces_now and grads.trainable:
                 if grads.state is not GradState.STAGED:
                     grads.stage()
+                # An input staged in place (an accumulation buffer) was filled without ``make_room``: the window
+                # bounds the reductions in flight all the same (each holds its input, or gloo's copy of it).
+                self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
                 grads.reduce(all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync)
                 if grads.state is GradState.REDUCE_SCATTERING:
                     self.reducing.append(state)

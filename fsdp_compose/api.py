@@ -246,7 +246,8 @@ def set_backward_prefetch_point(module: nn.Module, point: PrefetchPoint = "midwa
 
     - ``"midway"`` (the default): once half the bytes of the unit's trainable full parameters have their gradients
       (backward frees each full parameter as soon as its gradient is accumulated), after older reduce-scatters
-      completed (waited for there, where a wait cannot block a peer); at the unit's end at the latest. A unit
+      completed (on an accelerator checked, on CPU waited for where a wait cannot block a peer); at the unit's end
+      at the latest. A unit
       with no trainable parameter, and the root (needed at both ends of backward), prefetch at their start once
       older reduce-scatters completed.
       What the prefetch holds then replaces parameters already freed, and it still overlaps the rest of the

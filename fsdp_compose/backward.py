@@ -173,9 +173,12 @@ class BackwardWalk:
         deferred = self.deferred.get(id(state))
         if deferred is None or deferred.freed is None or total < deferred.freed:
             return
-        # The older reduce-scatters complete first where waiting for them is safe (``make_room``): gloo reports one
-        # complete only once it is waited for, and the unit's staging would wait for them anyway.
-        self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
+        if self.device.type == "cpu":
+            # gloo reports a reduce-scatter complete only once it is waited for: wait (where ``make_room`` may; the
+            # unit's staging would wait for it anyway). On an accelerator a check: a wait would stall compute.
+            self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
+        else:
+            self.reap()
         if len(self.reducing) < self.max_reduce_inputs:
             del self.deferred[id(state)]
             self._prefetch(deferred.targets)

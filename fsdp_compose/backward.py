@@ -264,9 +264,12 @@ class BackwardWalk:
             if state.reduces_now and grads.trainable:
                 if grads.state is not GradState.STAGED:
                     grads.stage()
-                # An input staged in place (an accumulation buffer) was filled without ``make_room``: the window
-                # bounds the reductions in flight all the same (each holds its input, or gloo's copy of it).
-                self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
+                if self.device.type == "cpu":
+                    # An input staged in place (an accumulation buffer) was filled without ``make_room``: on CPU the
+                    # window bounds the reductions in flight all the same (each holds gloo's copy of its input). On
+                    # an accelerator that input is the accumulation buffer itself, alive anyway: a wait would only
+                    # stall compute.
+                    self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
                 grads.reduce(all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync)
                 if grads.state is GradState.REDUCE_SCATTERING:
                     self.reducing.append(state)

@@ -229,3 +229,51 @@ def test_backward_prefetch_point_rejects_unknown_points() -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="point must be one of 'before', 'midway', 'after'"):
         fc.set_backward_prefetch_point(model, "early")  # type: ignore[arg-type]
+
+
+def _reductions_in_flight(rank: int, ws: int, max_inputs: int) -> dict[str, Any]:
+    """The most reduce-scatters issued and not yet waited for at once, over steps that accumulate two micro-batches."""
+    import torch.distributed as dist
+
+    cfg = GPTConfig(n_layers=4)
+    reference, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws))
+    from fsdp_compose.fsdp2 import _set_reduce_scatter_max_input_buffers  # model.set_... under fsdp2_methods=True
+
+    _set_reduce_scatter_max_input_buffers(model, max_inputs)
+    in_flight: set[int] = set()
+    most = 0
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    issue, wait = getattr(dist, name), dist.Work.wait
+
+    def issuing(*args: Any, **kwargs: Any) -> Any:
+        nonlocal most
+        work = issue(*args, **kwargs)
+        if work is not None:
+            in_flight.add(id(work))
+            most = max(most, len(in_flight))
+        return work
+
+    def waiting(work: Any, *args: Any, **kwargs: Any) -> Any:
+        in_flight.discard(id(work))
+        return wait(work, *args, **kwargs)
+
+    setattr(dist, name, issuing)
+    dist.Work.wait = waiting  # type: ignore[method-assign]
+    try:
+        diff = train_pair(rank, ws, model, reference, cfg, steps=2, batch_size=8, micro_batches=2)
+    finally:
+        setattr(dist, name, issue)
+        dist.Work.wait = wait  # type: ignore[method-assign]
+    return {"diff": diff, "most": most}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_window_bounds_reductions_of_accumulated_gradients(run_dist, ws: int) -> None:
+    """The backward that ends a no-sync window reduce-scatters buffers filled in place (no new input is staged):
+    on CPU, where each reduction in flight holds gloo's copy of its input, the window still bounds them
+    (``set_reduce_scatter_max_input_buffers``: n older ones at most when the next is issued)."""
+    for max_inputs in (1, 2):
+        for r in run_dist(ws, _reductions_in_flight, max_inputs):
+            assert r["diff"] <= 1e-5
+            assert r["most"] <= max_inputs, (max_inputs, r["most"])

@@ -162,8 +162,9 @@ class BackwardWalk:
 
     def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
         """A full parameter of ``state`` got its gradient: free it now where ``_frees_early`` allows, then issue the
-        unit's midway prefetch once half its parameter bytes are freed and the window has room (older reductions
-        are waited for where ``make_room`` may wait; otherwise at a later gradient, or at the unit's end)."""
+        unit's midway prefetch once half its parameter bytes are freed and the window has room (on CPU older
+        reductions are waited for where ``make_room`` may wait, on an accelerator checked; otherwise at a later
+        gradient, or at the unit's end)."""
         if not self._frees_early(state):
             return
         freed = state.unit.free_early(mp)

@@ -247,11 +247,9 @@ def set_backward_prefetch_point(module: nn.Module, point: PrefetchPoint = "midwa
     - ``"midway"`` (the default): once half the bytes of the unit's trainable full parameters have their gradients
       (backward frees each full parameter as soon as its gradient is accumulated), after older reduce-scatters
       completed (on an accelerator checked, on CPU waited for where a wait cannot block a peer); at the unit's end
-      at the latest. A unit
-      with no trainable parameter, and the root (needed at both ends of backward), prefetch at their start once
-      older reduce-scatters completed.
-      What the prefetch holds then replaces parameters already freed, and it still overlaps the rest of the
-      unit's backward.
+      at the latest. A unit with no trainable parameter, and the root (needed at both ends of backward), prefetch
+      at their start once older reduce-scatters completed. What the prefetch holds then replaces parameters
+      already freed, and it still overlaps the rest of the unit's backward.
     - ``"before"``: when the unit's backward starts (torch FSDP2's timing): the most overlap, the most memory
       (the next unit's all-gather output lives through the whole backward of this one).
     - ``"after"``: once the unit's backward is done and older reduce-scatters completed (FSDP1's

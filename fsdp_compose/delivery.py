@@ -18,6 +18,7 @@ Between no-sync backwards a unit holds gradients that are not in ``.grad`` yet; 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,7 +49,7 @@ class ReduceSpec:
     grad_dtype: torch.dtype  # the sharded parameters' dtype, which ``.grad`` takes
     extensions: ShardExtensions
 
-    @property
+    @functools.cached_property
     def input_copied_at_issue(self) -> bool:
         """Does the reduce-scatter copy its input before the call returns (then nothing needs the input while it
         runs)? gloo's does on a CPU device: ``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` clones the input

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -169,3 +171,31 @@ def train_on_dp_mesh(
     opt = make_optimizer("sgd")(model.parameters())
     ref_opt = make_optimizer("sgd")(reference.parameters())
     return train_steps(model, opt, reference, ref_opt, dp_mesh, range(steps), cfg)
+
+
+@contextlib.contextmanager
+def watching_reduce_scatters(
+    on_issue: Callable[[Any, torch.Tensor], None], on_wait: Callable[[Any], None]
+) -> Iterator[None]:
+    """Inside: ``on_issue(work, input)`` after each asynchronous reduce-scatter call, ``on_wait(work)`` before each
+    ``Work.wait()``. The library looks its collectives up in ``torch.distributed`` at call time, so it meets these."""
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    issue, wait = getattr(dist, name), dist.Work.wait
+
+    def issuing(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = issue(output, input, *args, **kwargs)
+        if work is not None:
+            on_issue(work, input)
+        return work
+
+    def waiting(work: Any, *args: Any, **kwargs: Any) -> Any:
+        on_wait(work)
+        return wait(work, *args, **kwargs)
+
+    setattr(dist, name, issuing)
+    dist.Work.wait = waiting  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        setattr(dist, name, issue)
+        dist.Work.wait = wait  # type: ignore[method-assign]

@@ -11,7 +11,15 @@ import torch.nn as nn
 
 import fsdp_compose as fc
 from examples.gpt_model import GPTConfig
-from tests.dist_utils import local_batch, max_param_diff, mesh_1d, reference_and_copy, shard_gpt, train_pair
+from tests.dist_utils import (
+    local_batch,
+    max_param_diff,
+    mesh_1d,
+    reference_and_copy,
+    shard_gpt,
+    train_pair,
+    watching_reduce_scatters,
+)
 
 
 def _storage_bytes(param: torch.Tensor) -> int:
@@ -137,35 +145,22 @@ def _reduce_scatter_inputs(rank: int, ws: int) -> dict[str, Any]:
     """For every reduce-scatter of two training steps: was its input still alive when the library waited for it?"""
     import weakref
 
-    import torch.distributed as dist
-
     cfg = GPTConfig(n_layers=2)
     reference, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws))
     inputs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
     alive_at_wait: list[bool] = []
-    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-    issue, wait = getattr(dist, name), dist.Work.wait
 
-    def issuing(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        work = issue(output, input, *args, **kwargs)
-        if work is not None:
-            inputs[id(work)] = weakref.ref(input.untyped_storage())
-        return work
+    def issued(work: Any, input: torch.Tensor) -> None:
+        inputs[id(work)] = weakref.ref(input.untyped_storage())
 
-    def waiting(work: Any, *args: Any, **kwargs: Any) -> Any:
+    def waited(work: Any) -> None:
         ref = inputs.pop(id(work), None)
         if ref is not None:
             alive_at_wait.append(ref() is not None)
-        return wait(work, *args, **kwargs)
 
-    setattr(dist, name, issuing)
-    dist.Work.wait = waiting  # type: ignore[method-assign]
-    try:
+    with watching_reduce_scatters(issued, waited):
         diff = train_pair(rank, ws, model, reference, cfg, steps=2, batch_size=8)
-    finally:
-        setattr(dist, name, issue)
-        dist.Work.wait = wait  # type: ignore[method-assign]
     return {"diff": diff, "alive_at_wait": alive_at_wait}
 
 

@@ -13,7 +13,14 @@ import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.grads import GradState
 from fsdp_compose.unit import UnitState
-from tests.dist_utils import local_batch, mesh_1d, reference_and_copy, shard_gpt, train_pair
+from tests.dist_utils import (
+    local_batch,
+    mesh_1d,
+    reference_and_copy,
+    shard_gpt,
+    train_pair,
+    watching_reduce_scatters,
+)
 
 
 def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
@@ -233,38 +240,22 @@ def test_backward_prefetch_point_rejects_unknown_points() -> None:
 
 def _reductions_in_flight(rank: int, ws: int, max_inputs: int) -> dict[str, Any]:
     """The most reduce-scatters issued and not yet waited for at once, over steps that accumulate two micro-batches."""
-    import torch.distributed as dist
+    from fsdp_compose.fsdp2 import _set_reduce_scatter_max_input_buffers  # model.set_... under fsdp2_methods=True
 
     cfg = GPTConfig(n_layers=4)
     reference, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws))
-    from fsdp_compose.fsdp2 import _set_reduce_scatter_max_input_buffers  # model.set_... under fsdp2_methods=True
-
     _set_reduce_scatter_max_input_buffers(model, max_inputs)
     in_flight: set[int] = set()
     most = 0
-    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-    issue, wait = getattr(dist, name), dist.Work.wait
 
-    def issuing(*args: Any, **kwargs: Any) -> Any:
+    def issued(work: Any, input: torch.Tensor) -> None:
         nonlocal most
-        work = issue(*args, **kwargs)
-        if work is not None:
-            in_flight.add(id(work))
-            most = max(most, len(in_flight))
-        return work
+        in_flight.add(id(work))
+        most = max(most, len(in_flight))
 
-    def waiting(work: Any, *args: Any, **kwargs: Any) -> Any:
-        in_flight.discard(id(work))
-        return wait(work, *args, **kwargs)
-
-    setattr(dist, name, issuing)
-    dist.Work.wait = waiting  # type: ignore[method-assign]
-    try:
+    with watching_reduce_scatters(issued, lambda work: in_flight.discard(id(work))):
         diff = train_pair(rank, ws, model, reference, cfg, steps=2, batch_size=8, micro_batches=2)
-    finally:
-        setattr(dist, name, issue)
-        dist.Work.wait = wait  # type: ignore[method-assign]
     return {"diff": diff, "most": most}
 
 

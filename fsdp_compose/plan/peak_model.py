@@ -13,12 +13,11 @@ and :class:`_Walk` replays its rules:
   each full parameter is freed as its gradient is made; the unit needed now prefetches the next one in the order
   at its midway point (``fc.set_backward_prefetch_point``, the default): once half its parameter bytes are freed,
   after the reductions in flight completed (in a model run in registration order, waiting for them is always
-  safe); the root, needed at both ends of backward, prefetches at once. A unit's
-  backward done: reshard (what it prefetched midway lands at its own pre-backward here: the simulated process group
-  never reports an all-gather arrived), stage its gradients into a reduce-scatter input
-  (before that, the oldest reduction in flight completes when one is already in flight: the window of one), and the
-  reduce cursor issues reductions in ``reduce_order`` as far as their units are done; the final callback completes
-  the rest.
+  safe); the root, needed at both ends of backward, prefetches at once. A unit's backward done: reshard (what it
+  prefetched midway lands at its own pre-backward here: the simulated process group never reports an all-gather
+  arrived), stage its gradients into a reduce-scatter input (before that, the oldest reduction in flight completes
+  when one is already in flight: the window of one), and the reduce cursor issues reductions in ``reduce_order`` as
+  far as their units are done; the final callback completes the rest.
 
 What the units compute between those events is the GPT's, in closed form. Notation (elements; fp32 = 4 bytes each):
 ``N = batch x seq`` tokens, ``D`` width, ``F = mlp_ratio x D``, ``H`` heads, ``V`` vocabulary, ``P`` the learned

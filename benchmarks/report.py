@@ -20,7 +20,7 @@ IMPLS = ("fsdp_compose", "torch_fsdp2", "ddp")
 TIME_HEADER = ["config", "fsdp_compose ms", "torch FSDP2 ms", "DDP ms", "fc / FSDP2", "fc / DDP"]
 TIME_HEADER.append("final loss fc/FSDP2/DDP")
 MEMORY_HEADER = ["config", "fsdp_compose", "torch FSDP2", "DDP", "fc / FSDP2", "fc / DDP", "DDP buckets"]
-MEMORY_HEADER.append("ops fc/FSDP2/DDP")
+MEMORY_HEADER += ["ops fc/FSDP2/DDP", "step peaks fc / FSDP2"]
 COMM_HEADER = ["config", "fsdp_compose", "torch FSDP2", "minimum", "fc / minimum", "fc calls", "DDP all-reduce"]
 
 
@@ -56,7 +56,7 @@ def _time_row(res: dict[str, Any]) -> list[str]:
     ]
 
 
-def _mem_cell(entry: dict[str, int] | str | None) -> str:
+def _mem_cell(entry: dict[str, Any] | str | None) -> str:
     if not isinstance(entry, dict):
         return NA
     return f"{entry['peak'] / MIB:.2f} ({entry['baseline'] / MIB:.2f})"
@@ -70,7 +70,16 @@ def _memory_row(res: dict[str, Any]) -> list[str]:
     ddp_ratio = f"{fc['peak'] / ddp['peak']:.2f}" if isinstance(fc, dict) and isinstance(ddp, dict) else NA
     buckets = f"{ddp['hidden'] / MIB:.2f}" if isinstance(ddp, dict) else NA
     ops = " / ".join(str(mem[n]["ops"]) if isinstance(mem.get(n), dict) else NA for n in IMPLS)
-    return [res["config"], _mem_cell(fc), _mem_cell(fsdp2), _mem_cell(ddp), ratio, ddp_ratio, buckets, ops]
+    spread = " / ".join(_peak_range(mem.get(n)) for n in IMPLS[:2])
+    return [res["config"], _mem_cell(fc), _mem_cell(fsdp2), _mem_cell(ddp), ratio, ddp_ratio, buckets, ops, spread]
+
+
+def _peak_range(entry: dict[str, Any] | str | None) -> str:
+    """The lowest and highest of the measured steps' peaks."""
+    if not isinstance(entry, dict):
+        return NA
+    low, high = entry.get("peak_low", entry["peak"]), entry["peak"]
+    return f"{low / MIB:.2f}-{high / MIB:.2f}"
 
 
 def _comm_row(res: dict[str, Any]) -> list[str]:
@@ -138,8 +147,10 @@ def render_tables(results: list[dict[str, Any]], args: Any, command: str, elapse
     ]
     if args.memory:
         parts += [
-            "**Peak live tensor MiB** in one non-timed step, each implementation alone, max over ranks; "
-            "start-of-step MiB (parameters, optimizer state, persistent buffers) in brackets. "
+            f"**Peak live tensor MiB**: the highest of {args.memory_steps} non-timed steps, each implementation "
+            "alone, max over ranks; start-of-step MiB (parameters, optimizer state, persistent buffers) in brackets; "
+            "the lowest and highest step in the last column (a step's peak depends on when gloo's thread lets go of "
+            "a finished collective's buffers). "
             "DDP buckets: C++-only buffers first touched in backward, counted as alive since the start. "
             "Ops: ATen ops per step as the dispatch mode sees them (a DTensor op counts once), rank 0.",
             _table(

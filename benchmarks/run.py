@@ -91,6 +91,7 @@ class BenchArgs:
     vocab: int
     seed: int
     memory: bool
+    memory_steps: int = 5
 
     def gpt_config(self) -> GPTConfig:
         return GPTConfig(
@@ -206,27 +207,38 @@ def _rank_max(values: list[int]) -> list[int]:
     return [int(v) for v in tensor.tolist()]
 
 
-def measure_memory(name: str, variant: Variant, args: BenchArgs, mesh: DeviceMesh) -> dict[str, int] | str:
-    """Peak live bytes of one steady-state step with only this implementation alive (max over ranks).
+def measure_memory(name: str, variant: Variant, args: BenchArgs, mesh: DeviceMesh) -> dict[str, Any] | str:
+    """Peak live bytes of ``--memory-steps`` steady-state steps with only this implementation alive (each step under
+    its own counter, max over ranks): ``peak`` is the highest step, ``peak_low`` the lowest.
 
     Two warm-up steps first: lazy initialization, optimizer state, and DDP's bucket rebuild in its second step.
+    Several steps, because a step's peak depends on timing: gloo's worker thread lets go of a finished collective's
+    buffers (an all-gather's output, a reduce-scatter's working copy) on its own schedule, so what is still alive at
+    a later unit's reduce-scatter varies from step to step (torch FSDP2's bf16 peak moves by up to 2.3 MiB at the
+    default size). A training run meets its highest step.
     """
     snapshot = live_storage_keys()
     impl = build_or_skip(name, variant, args, mesh, warmup=2)
     if isinstance(impl, str):
         return impl
-    x, y = local_batch(args, 2)
-    counter = LiveBytesCounter()
-    counter.register(tensors_since(snapshot))
-    dist.barrier()
-    with fc.CollectiveRecorder(scope=counter.collective_scope), gloo_reduce_scatter_copies(counter), counter:
-        impl.step(x, y)
-    counter.close()
-    stats = [counter.peak_bytes, counter.baseline_bytes, counter.late_bytes, counter.hidden_bytes]
-    peak, baseline, late, hidden = _rank_max(stats)
-    del impl, snapshot, x, y
+    peaks: list[int] = []
+    for step in range(args.memory_steps):
+        x, y = local_batch(args, 2 + step)
+        counter = LiveBytesCounter()
+        counter.register(tensors_since(snapshot))
+        dist.barrier()
+        with fc.CollectiveRecorder(scope=counter.collective_scope), gloo_reduce_scatter_copies(counter), counter:
+            impl.step(x, y)
+        counter.close()
+        stats = [counter.peak_bytes, counter.baseline_bytes, counter.late_bytes, counter.hidden_bytes]
+        peak, baseline, late, hidden = _rank_max(stats)
+        peaks.append(peak)
+        if step == 0:
+            first = {"baseline": baseline, "late": late, "hidden": hidden, "ops": counter.ops}
+        del counter
+    del impl, snapshot
     gc.collect()
-    return {"peak": peak, "baseline": baseline, "late": late, "hidden": hidden, "ops": counter.ops}
+    return {"peak": max(peaks), "peak_low": min(peaks), "peaks": peaks, **first}
 
 
 def unit_specs(args: BenchArgs, variant: Variant) -> list[UnitSpec]:
@@ -327,6 +339,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchArgs, argparse.Names
     parser.add_argument("--warmup", type=int, default=3, help="rounds dropped from the statistics")
     add_model_arguments(parser)
     parser.add_argument("--no-memory", action="store_true", help="skip the live-bytes measurement")
+    parser.add_argument(
+        "--memory-steps", type=int, default=5, help="steps under the live-bytes counter per implementation (max kept)"
+    )
     parser.add_argument("--write", metavar="PATH", help="replace the bench section of this markdown file")
     parser.add_argument("--json", metavar="PATH", help="also dump the raw per-step results as JSON")
     ns = parser.parse_args(argv)

@@ -148,14 +148,16 @@ def measure(name: str, config: str, args: BenchArgs, mesh: DeviceMesh) -> dict[s
     for step in range(2):
         impl.step(*local_batch(args, step))
     chosen: dict[str, Any] = {}
+    step_peaks: list[int] = []
     for step in range(args.memory_steps):
         result = _measure_step(impl, snapshot, *local_batch(args, 2 + step))
         peak = torch.tensor([result["peak"]], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         result["peak_max_over_ranks"] = int(peak.item())
+        step_peaks.append(result["peak_max_over_ranks"])
         if not chosen or result["peak_max_over_ranks"] > chosen["peak_max_over_ranks"]:
             chosen = result
-        chosen.setdefault("step_peaks", []).append(result["peak_max_over_ranks"])
+    chosen["step_peaks"] = step_peaks
     del impl, snapshot
     gc.collect()
     return chosen

@@ -245,10 +245,9 @@ def set_backward_prefetch_point(module: nn.Module, point: PrefetchPoint = "midwa
     """When each unit issues its implicit backward prefetch (the next unit's all-gather) during its own backward.
 
     - ``"midway"`` (the default): once half the bytes of the unit's trainable full parameters have their gradients
-      (backward frees each full parameter as soon as its gradient is accumulated), if older reduce-scatters have
-      completed then (checked, never waited for: a wait would stall compute); at the unit's end at the latest (on
-      gloo, which reports a reduce-scatter complete only to a wait, the unit's end after the first block of
-      backward). A unit with no trainable parameter, and the root (needed at both ends of backward), prefetch
+      (backward frees each full parameter as soon as its gradient is accumulated), after older reduce-scatters
+      completed (on an accelerator checked, on CPU waited for where a wait cannot block a peer); at the unit's end
+      at the latest. A unit with no trainable parameter, and the root (needed at both ends of backward), prefetch
       at their start once older reduce-scatters completed. What the prefetch holds then replaces parameters
       already freed, and it still overlaps the rest of the unit's backward.
     - ``"before"``: when the unit's backward starts (torch FSDP2's timing): the most overlap, the most memory

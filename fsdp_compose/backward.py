@@ -162,8 +162,9 @@ class BackwardWalk:
 
     def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
         """A full parameter of ``state`` got its gradient: free it now where ``_frees_early`` allows, then issue the
-        unit's midway prefetch once half its parameter bytes are freed and the window has room (checked without
-        waiting: otherwise at a later gradient, or at the unit's end)."""
+        unit's midway prefetch once half its parameter bytes are freed and the window has room (on CPU older
+        reductions are waited for where ``make_room`` may wait, on an accelerator checked; otherwise at a later
+        gradient, or at the unit's end)."""
         if not self._frees_early(state):
             return
         freed = state.unit.free_early(mp)
@@ -173,10 +174,12 @@ class BackwardWalk:
         deferred = self.deferred.get(id(state))
         if deferred is None or deferred.freed is None or total < deferred.freed:
             return
-        # A check, not a wait: a wait would stall compute until the older reduce-scatter is done. On gloo, which
-        # reports one complete only to a wait, the prefetch then goes out at the unit's end (measured: a wait here
-        # lowered no peak and cost step time, and made the peak depend on gloo's timing).
-        self.reap()
+        if self.device.type == "cpu":
+            # gloo reports a reduce-scatter complete only once it is waited for: wait (where ``make_room`` may; the
+            # unit's staging would wait for it anyway). On an accelerator a check: a wait would stall compute.
+            self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
+        else:
+            self.reap()
         if len(self.reducing) < self.max_reduce_inputs:
             del self.deferred[id(state)]
             self._prefetch(deferred.targets)

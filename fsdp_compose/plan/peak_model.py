@@ -11,13 +11,13 @@ and :class:`_Walk` replays its rules:
   collectives when it has peers) frees its full parameters at the end of its forward;
 - backward: the gather cursor walks ``gather_order`` (each unit passed is gathered, the one needed now copied out);
   each full parameter is freed as its gradient is made; the unit needed now prefetches the next one in the order
-  at its midway point (``fc.set_backward_prefetch_point``, the default): once half its parameter bytes are freed if
-  no reduction is in flight then (a simulated reduce-scatter, like gloo's, completes only when waited for), else at
-  its end, after its gradients are staged; the root, needed at both ends of backward, prefetches at once. A unit's
-  backward done: reshard (what it prefetched midway lands at its own pre-backward here: the simulated process group
-  never reports an all-gather arrived), stage its gradients into a reduce-scatter input (before that, the oldest
-  reduction in flight completes when one is already in flight: the window of one), and the reduce cursor issues
-  reductions in ``reduce_order`` as far as their units are done; the final callback completes the rest.
+  at its midway point (``fc.set_backward_prefetch_point``, the default): once half its parameter bytes are freed,
+  after the reductions in flight completed (in a model run in registration order, waiting for them is always
+  safe); the root, needed at both ends of backward, prefetches at once. A unit's backward done: reshard (what it
+  prefetched midway lands at its own pre-backward here: the simulated process group never reports an all-gather
+  arrived), stage its gradients into a reduce-scatter input (before that, the oldest reduction in flight completes
+  when one is already in flight: the window of one), and the reduce cursor issues reductions in ``reduce_order`` as
+  far as their units are done; the final callback completes the rest.
 
 What the units compute between those events is the GPT's, in closed form. Notation (elements; fp32 = 4 bytes each):
 ``N = batch x seq`` tokens, ``D`` width, ``F = mlp_ratio x D``, ``H`` heads, ``V`` vocabulary, ``P`` the learned
@@ -169,7 +169,7 @@ class _Walk:
 
     def gradients_made(self, name: str, shapes: Sequence[tuple[int, ...]]) -> None:
         """Gradients of parameters of ``name`` (these shapes) were accumulated: their full parameters are freed, and
-        the unit's midway prefetch goes out once half its bytes are, if no reduction is in flight then."""
+        the unit's midway prefetch goes out once half its bytes are, after the reductions in flight completed."""
         unit = self.units[name]
         if self.s.phase != "backward" or self.where[name] != "gathered" or not unit.trainable:
             return
@@ -177,7 +177,8 @@ class _Walk:
         self.s.free(GATHERED, freed)
         self.freed[name] = self.freed.get(name, 0) + freed
         deferred = self.deferred.get(name)
-        if deferred is not None and self.freed[name] >= deferred[1] and not self.reducing:
+        if deferred is not None and self.freed[name] >= deferred[1]:
+            self._wait_for_reductions()
             del self.deferred[name]
             self._start_gather(deferred[0])
 

@@ -222,12 +222,12 @@ class BackwardWalk:
             state.unit.reshard()
         for prefetched in self.landing.pop(id(state), []):
             # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
-            # then it never meets this unit's reduce-scatter input and output (issued next). On a CPU device only
-            # if its all-gather has arrived: a blocking wait here could wait for a peer that issues that
-            # all-gather only after this rank's next reduce-scatter (a peer that does not run the unit).
+            # then it never meets this unit's reduce-scatter input and output (issued next). On a CPU device the
+            # wait blocks the host: only where no peer can be waiting for a reduction this rank has not issued yet
+            # (``_may_wait_for_landing``), else only if the all-gather has arrived already.
             unit = prefetched.unit
             if unit.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
-                if self.device.type != "cpu" or unit.gather_arrived():
+                if self.device.type != "cpu" or unit.gather_arrived() or self._may_wait_for_landing(state):
                     prefetched.gather_now()
         state.opened = False
         grads = state.unit.grads
@@ -238,6 +238,18 @@ class BackwardWalk:
         deferred = self.deferred.pop(id(state), None)
         if deferred is not None:
             self._prefetch(deferred.targets, after_reductions=True)
+
+    def _may_wait_for_landing(self, state: ShardState) -> bool:
+        """May this rank block, at the end of ``state``, on the all-gather ``state`` prefetched midway?
+
+        A peer issues that all-gather at the latest when its gather cursor passes ``state`` (a peer that does not run
+        it) or at the end of its own backward of ``state``, before reducing it. Until then the only collectives it
+        may block on are all-gathers up to ``state`` (this rank issued them: its cursor is past ``state``) and
+        reductions of units before ``state`` in the reduce order. So the wait is safe once this rank has issued
+        every one of those: its reduce cursor has reached ``state``. In a model run in registration order that is
+        always so; otherwise the copy-out waits for the all-gather to arrive (memory, never a hang)."""
+        cursor = self.reduce_cursor
+        return cursor < len(self.reduce_order) and self.reduce_order[cursor] is state
 
     def _advance_gathers(self, target: int, needed: ShardState | None = None) -> None:
         """Move the gather cursor past position ``target``, issuing every backward all-gather on the way (``needed``

@@ -268,3 +268,37 @@ def test_window_bounds_reductions_of_accumulated_gradients(run_dist, ws: int) ->
         for r in run_dist(ws, _reductions_in_flight, max_inputs):
             assert r["diff"] <= 1e-5
             assert r["most"] <= max_inputs, (max_inputs, r["most"])
+
+
+def _states_at_reduce_scatters(rank: int, ws: int) -> dict[str, Any]:
+    """Each block's unit state whenever a reduce-scatter is issued, with every all-gather reported late: as if none
+    had arrived by the end of the unit that prefetched it."""
+    cfg = GPTConfig(n_layers=4)
+    reference, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws))
+    units = [fc.get_state(block).unit for block in model.blocks]
+    snapshots: list[list[str]] = []
+    original = unit_module.ShardedUnit.gather_arrived
+    unit_module.ShardedUnit.gather_arrived = lambda self: False  # type: ignore[method-assign]
+    try:
+        issued = lambda work, input: snapshots.append([u.state.value for u in units])  # noqa: E731
+        with watching_reduce_scatters(issued, lambda work: None):
+            diff = train_pair(rank, ws, model, reference, cfg, steps=2, batch_size=8)
+    finally:
+        unit_module.ShardedUnit.gather_arrived = original  # type: ignore[method-assign]
+    return {"diff": diff, "snapshots": snapshots}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_midway_prefetch_lands_before_the_reduce_scatter_even_when_late(run_dist, ws: int) -> None:
+    """A unit's midway prefetch is copied out at the unit's end, before its reduce-scatter is issued, also on CPU
+    where that means waiting for the all-gather: every reduction before the unit's is issued by then, so no peer can
+    be waiting on this rank. Otherwise a late all-gather's output met the reduce-scatter (the peak moved from step
+    to step with gloo's timing). Block i's reduce-scatter (the k-th of a step, k = 4 - i) finds block i-1 copied out."""
+    for r in run_dist(ws, _states_at_reduce_scatters):
+        assert r["diff"] <= 1e-5
+        steps = [r["snapshots"][k : k + 5] for k in range(0, len(r["snapshots"]), 5)]  # 4 blocks + the root
+        assert len(steps) == 2 and all(len(step) == 5 for step in steps), r["snapshots"]
+        for step in steps:
+            for k, block in enumerate((2, 1, 0)):
+                assert step[k][block] == "unsharded", (k, step)

@@ -13,9 +13,9 @@ and :class:`_Walk` replays its rules:
   each full parameter is freed as its gradient is made; the unit needed now prefetches the next one in the order
   at its midway point (``fc.set_backward_prefetch_point``, the default): once half its parameter bytes are freed,
   after the reductions in flight completed (in a model run in registration order, waiting for them is always
-  safe); the root, needed at both ends of backward, prefetches at once. A unit's backward done: reshard (what it
-  prefetched midway lands at its own pre-backward here: the simulated process group never reports an all-gather
-  arrived), stage its gradients into a reduce-scatter input (before that, the oldest reduction in flight completes
+  safe); the root, needed at both ends of backward, prefetches at once. A unit's backward done: reshard, copy out
+  what it prefetched midway (every earlier reduction is issued by then, so the engine may wait for that all-gather
+  there), stage its gradients into a reduce-scatter input (before that, the oldest reduction in flight completes
   when one is already in flight: the window of one), and the reduce cursor issues reductions in ``reduce_order`` as
   far as their units are done; the final callback completes the rest.
 
@@ -141,6 +141,7 @@ class _Walk:
         self.reducing: list[str] = []  # reductions whose input is alive, oldest first
         self.freed: dict[str, int] = {}  # unit -> full parameter elements freed early in this backward
         self.deferred: dict[str, tuple[str, int]] = {}  # unit -> (its prefetch target, elements to free first)
+        self.landing: dict[str, str] = {}  # unit -> what it prefetched midway (copied out at its end)
 
     # ------------------------------------------------------------------ gathering
     def _start_gather(self, name: str) -> None:
@@ -181,6 +182,7 @@ class _Walk:
             self._wait_for_reductions()
             del self.deferred[name]
             self._start_gather(deferred[0])
+            self.landing[name] = deferred[0]
 
     def _wait_for_reductions(self) -> None:
         while self.reducing:
@@ -225,8 +227,11 @@ class _Walk:
         """A unit's post-backward: reshard, stage its gradients (after room is made), issue its prefetch if held back
         to here, issue reductions in order."""
         self.reshard(name)
-        # A midway prefetch lands here only once its all-gather has arrived (checked, not waited for, on a CPU
-        # device); the simulated process group never reports one arrived: it lands at its pre-backward.
+        # What it prefetched midway lands now, before its gradients are staged (in a model run in registration order
+        # every reduction before this unit's is issued by now, so the engine may wait for the all-gather here).
+        landing = self.landing.pop(name, None)
+        if landing is not None:
+            self._gather_now(landing)
         unit = self.units[name]
         if unit.rs_in:
             self._wait_for_reductions()

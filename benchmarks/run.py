@@ -5,9 +5,9 @@
 Spawns ``--nproc`` gloo ranks (one torch thread each). Per config, every rank builds the three models from the same
 seed and trains them on the same batches, interleaving steps A, B, C, A, B, C, ... with a barrier before and after
 each step; the figures of merit are the medians of the per-round time ratios (noise hits neighbouring steps alike).
-Then each implementation alone (the others deleted) runs one non-timed step under the live-bytes counter
-(``benchmarks/memory.py``), and one step under ``fc.CollectiveRecorder`` (minimum bytes: ``benchmarks/comm.py``). See
-benchmarks/README.md.
+Then each implementation alone (the others deleted) runs ``--memory-steps`` non-timed steps under the live-bytes
+counter (``benchmarks/memory.py``; the highest step's peak is reported), and one step under
+``fc.CollectiveRecorder`` (minimum bytes: ``benchmarks/comm.py``). See benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -247,7 +247,9 @@ class BackwardWalk:
         may block on are all-gathers up to ``state`` (this rank issued them: its cursor is past ``state``) and
         reductions of units before ``state`` in the reduce order. So the wait is safe once this rank has issued
         every one of those: its reduce cursor has reached ``state``. In a model run in registration order that is
-        always so; otherwise the copy-out waits for the all-gather to arrive (memory, never a hang)."""
+        always so. Otherwise (a unit earlier in the reduce order still to finish here: the random sweep meets a few)
+        the copy-out happens here only if the all-gather has arrived, else at its pre-backward: memory, never a
+        hang."""
         cursor = self.reduce_cursor
         return cursor < len(self.reduce_order) and self.reduce_order[cursor] is state
 

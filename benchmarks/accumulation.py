@@ -15,9 +15,11 @@ reduce_dtype=torch.float32)`` for both FSDPs, every block then the root). One *w
 
 Correctness: the three are built from the same seed and run one window on the same batches; the sharded gradients
 are compared (max absolute difference, max over ranks). Time: interleaved rounds of one window each, as in run.py.
-Memory: each implementation alone runs a third window under the live-bytes counter (memory.py), which records the
-peak of each phase (no-sync micro-batches, the synchronising micro-batch, optimizer step) and the bytes held after
-the no-sync micro-batches; the collectives of that window are counted too (``fc.CollectiveRecorder``).
+Memory: each implementation alone runs ``--memory-steps`` more windows (3), each under the live-bytes counter
+(memory.py), which records the peak of each phase (no-sync micro-batches, the synchronising micro-batch, optimizer
+step) and the bytes held after the no-sync micro-batches; every figure is the highest of those windows (as in
+run.py: a window's peak on gloo depends on gloo's timing). The collectives of the first are counted too
+(``fc.CollectiveRecorder``).
 """
 
 from __future__ import annotations
@@ -172,23 +174,34 @@ class PhasePeaks:
 
 
 def measure_memory(name: str, args: AccumArgs, mesh: DeviceMesh) -> dict[str, Any]:
-    """One window with only this implementation alive, after two warm-up windows (lazy init, optimizer state)."""
+    """``--memory-steps`` windows with only this implementation alive, after two warm-up windows (lazy init,
+    optimizer state), each under its own counter: every figure is the highest of them (max over ranks), as in
+    run.py (a window's peak on gloo depends on when gloo's thread lets go of finished collectives' buffers)."""
     snapshot = live_storage_keys()
     impl, batches = warmed_up(name, args, mesh)
-    counter = LiveBytesCounter()
-    counter.register(tensors_since(snapshot))
-    phases = PhasePeaks(counter)
-    dist.barrier()
-    with fc.CollectiveRecorder(scope=counter.collective_scope) as coll, gloo_reduce_scatter_copies(counter), counter:
-        run_window(impl, batches, phases)
-    counter.close()
-    values = [counter.baseline_bytes, counter.hidden_bytes, phases.after["no_sync"]]
-    values += [phases.peak[p] for p in ("no_sync", "sync", "optimizer")]
     keys = ["start", "hidden", "held", "no_sync", "sync", "optimizer"]
-    result: dict[str, Any] = dict(zip(keys, _rank_max(values), strict=True))
+    result: dict[str, Any] = {}
+    for window in range(args.bench.memory_steps):
+        counter = LiveBytesCounter()
+        counter.register(tensors_since(snapshot))
+        phases = PhasePeaks(counter)
+        dist.barrier()
+        with (
+            fc.CollectiveRecorder(scope=counter.collective_scope) as coll,
+            gloo_reduce_scatter_copies(counter),
+            counter,
+        ):
+            run_window(impl, batches, phases)
+        counter.close()
+        values = [counter.baseline_bytes, counter.hidden_bytes, phases.after["no_sync"]]
+        values += [phases.peak[p] for p in ("no_sync", "sync", "optimizer")]
+        for key, value in zip(keys, _rank_max(values), strict=True):
+            result[key] = value if window == 0 else max(result[key], value)
+        if window == 0:
+            calls, nbytes = coll.counts(), coll.bytes_per_kind()
+            result["collectives"] = {kind: [calls[kind], nbytes[kind]] for kind in sorted(nbytes)}
+        del counter, phases
     result["window"] = max(result["start"], result["no_sync"], result["sync"], result["optimizer"])
-    calls, nbytes = coll.counts(), coll.bytes_per_kind()
-    result["collectives"] = {kind: [calls[kind], nbytes[kind]] for kind in sorted(nbytes)}
     del impl, snapshot, batches
     gc.collect()
     return result
@@ -279,11 +292,11 @@ def render(result: dict[str, Any], args: AccumArgs, command: str, elapsed: float
         header,
         "**Window time** — median ms per window; ratios are medians of per-round ratios.",
         time_table,
-        "**Peak live tensor MiB** (max over ranks) in one window, each implementation alone after two warm-up "
-        "windows. Start: parameters and optimizer state. Held before sync: alive after the no-sync micro-batches "
-        "(the accumulated gradients on top of the start). (a): forward and backward of the synchronising "
-        "micro-batch; (b): the whole window, optimizer step included. Collectives: calls and MiB per rank "
-        "(all-gather output + reduce-scatter input).",
+        f"**Peak live tensor MiB** (max over ranks), the highest of {args.bench.memory_steps} windows, each "
+        "implementation alone after two warm-up windows. Start: parameters and optimizer state. Held before sync: "
+        "alive after the no-sync micro-batches (the accumulated gradients on top of the start). (a): forward and "
+        "backward of the synchronising micro-batch; (b): the whole window, optimizer step included. Collectives: "
+        "calls and MiB per rank (all-gather output + reduce-scatter input).",
         _table(mem_header, mem_rows),
         f"**Correctness** — sharded gradients after one window, max |difference| over all parameters and ranks: "
         f"{grad_line} (largest |gradient| {grads['max_abs_grad']:.3g}). Window losses fc unsharded / fc sharded / "
@@ -311,6 +324,7 @@ def parse_args(
     parser.add_argument("--steps", type=int, default=12, help="timed rounds (each runs every implementation's window)")
     parser.add_argument("--warmup", type=int, default=2, help="rounds dropped from the statistics")
     add_model_arguments(parser, batch_help="sequences per rank per micro-batch")
+    parser.add_argument("--memory-steps", type=int, default=3, help="measured windows per implementation (max kept)")
     if write_flags:
         parser.add_argument("--write", metavar="PATH", help="replace the --section of this markdown file")
         parser.add_argument("--section", default="accum", help="marker: <!-- NAME:start --> ... <!-- NAME:end -->")
@@ -320,6 +334,7 @@ def parse_args(
     if ns.micro < 2:
         parser.error("--micro must be at least 2 (no-sync micro-batches, then the synchronising one)")
     bench_fields = ("nproc", "steps", "warmup", "dim", "layers", "heads", "seq", "batch", "vocab", "seed")
+    bench_fields += ("memory_steps",)
     fields = {k: getattr(ns, k) for k in bench_fields}
     bench = BenchArgs(configs=("bf16",), memory=True, **fields)
     return AccumArgs(bench, ns.micro), ns

@@ -331,6 +331,8 @@ def parse_args(
     ns = parser.parse_args(argv)
     if ns.steps <= ns.warmup:
         parser.error("--steps must be larger than --warmup")
+    if ns.memory_steps < 1:
+        parser.error("--memory-steps must be at least 1")
     if ns.micro < 2:
         parser.error("--micro must be at least 2 (no-sync micro-batches, then the synchronising one)")
     bench_fields = ("nproc", "steps", "warmup", "dim", "layers", "heads", "seq", "batch", "vocab", "seed")

@@ -258,6 +258,8 @@ def parse_args(argv: list[str] | None) -> tuple[BenchArgs, argparse.Namespace]:
     parser.add_argument("--section", default="peak-phases", help="the marked section --write replaces")
     parser.add_argument("--json", metavar="PATH", help="also dump the raw results")
     ns = parser.parse_args(argv)
+    if ns.memory_steps < 1:
+        parser.error("--memory-steps must be at least 1")
     fields = {k: v for k, v in vars(ns).items() if k not in ("write", "json", "configs", "rank", "section")}
     bench = BenchArgs(configs=tuple(dict.fromkeys(ns.configs)), steps=1, warmup=0, memory=True, **fields)
     return bench, ns

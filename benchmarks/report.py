@@ -78,8 +78,7 @@ def _peak_range(entry: dict[str, Any] | str | None) -> str:
     """The lowest and highest of the measured steps' peaks."""
     if not isinstance(entry, dict):
         return NA
-    low, high = entry.get("peak_low", entry["peak"]), entry["peak"]
-    return f"{low / MIB:.2f}-{high / MIB:.2f}"
+    return f"{entry['peak_low'] / MIB:.2f}-{entry['peak'] / MIB:.2f}"
 
 
 def _comm_row(res: dict[str, Any]) -> list[str]:

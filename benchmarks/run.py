@@ -347,6 +347,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchArgs, argparse.Names
     ns = parser.parse_args(argv)
     if ns.steps <= ns.warmup:
         parser.error("--steps must be larger than --warmup")
+    if ns.memory_steps < 1:
+        parser.error("--memory-steps must be at least 1")
     if ns.dim % ns.heads:
         parser.error("--dim must be divisible by --heads")
     fields = {k: v for k, v in vars(ns).items() if k not in ("write", "json", "no_memory", "configs")}

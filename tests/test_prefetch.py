@@ -270,6 +270,57 @@ def test_window_bounds_reductions_of_accumulated_gradients(run_dist, ws: int) ->
             assert r["most"] <= max_inputs, (max_inputs, r["most"])
 
 
+def _reductions_in_flight_at_staging(rank: int, ws: int) -> dict[str, Any]:
+    """Reduce-scatters issued and not yet waited for, once each unit's input is filled and when each is issued, with
+    every collective reported as not completed (as if gloo were always slower than the next unit's backward)."""
+    import torch.distributed as dist
+
+    from fsdp_compose.grad_input import ReduceScatterInput
+
+    cfg = GPTConfig(n_layers=4)
+    reference, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws))
+    in_flight: set[int] = set()
+    at_staging: list[int] = []
+    at_issue: list[int] = []
+    stage_all = ReduceScatterInput.stage_all
+
+    def staging(self: ReduceScatterInput, *args: Any, **kwargs: Any) -> bool:
+        staged = stage_all(self, *args, **kwargs)
+        if staged:
+            at_staging.append(len(in_flight))
+        return staged
+
+    def issued(work: Any, input: torch.Tensor) -> None:
+        at_issue.append(len(in_flight))
+        in_flight.add(id(work))
+
+    is_completed = dist.Work.is_completed
+    ReduceScatterInput.stage_all = staging  # type: ignore[method-assign]
+    dist.Work.is_completed = lambda self: False  # type: ignore[method-assign]
+    try:
+        with watching_reduce_scatters(issued, lambda work: in_flight.discard(id(work))):
+            diff = train_pair(rank, ws, model, reference, cfg, steps=2, batch_size=8)
+    finally:
+        ReduceScatterInput.stage_all = stage_all  # type: ignore[method-assign]
+        dist.Work.is_completed = is_completed  # type: ignore[method-assign]
+    return {"diff": diff, "at_staging": at_staging, "at_issue": at_issue}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_cpu_window_waits_before_the_issue_not_the_filling(run_dist, ws: int) -> None:
+    """On CPU the window's wait for the previous reduce-scatter comes right before the next one is issued, not before
+    its input is filled: the reduction runs on during the filling (docs/schedule.md). Reductions are reported as not
+    completed here, so what is in flight shows where the library waited. Per step, in backward order (blocks 3 to 0,
+    then the root): blocks 2 and 1 waited midway, before their midway prefetch (which must not live next to an older
+    reduction), so they fill with nothing in flight; blocks 0 and the root, which prefetch nothing, fill while the
+    previous reduction still runs. At every issue none is in flight (the window's default, 1)."""
+    for r in run_dist(ws, _reductions_in_flight_at_staging):
+        assert r["diff"] <= 1e-5
+        assert r["at_issue"] == [0] * 10, r["at_issue"]  # two steps, five units each
+        assert r["at_staging"] == [0, 0, 0, 1, 1] * 2, r["at_staging"]
+
+
 def _states_at_reduce_scatters(rank: int, ws: int) -> dict[str, Any]:
     """Each block's unit state whenever a reduce-scatter is issued, with every all-gather reported late: as if none
     had arrived by the end of the unit that prefetched it."""

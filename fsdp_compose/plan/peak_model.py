@@ -16,8 +16,10 @@ and :class:`_Walk` replays its rules:
   safe); the root, needed at both ends of backward, prefetches at once. A unit's backward done: reshard, copy out
   what it prefetched midway (every earlier reduction is issued by then, so the engine may wait for that all-gather
   there), stage its gradients into a reduce-scatter input (before that, the oldest reduction in flight completes
-  when one is already in flight: the window of one), and the reduce cursor issues reductions in ``reduce_order`` as
-  far as their units are done; the final callback completes the rest.
+  when one is already in flight: the window of one; on a CPU device the engine waits only before the issue and
+  frees what has completed before the filling, which under the simulated process group, whose collectives complete
+  at once, is every reduction: the same), and the reduce cursor issues reductions in ``reduce_order`` as far as
+  their units are done; the final callback completes the rest.
 
 What the units compute between those events is the GPT's, in closed form. Notation (elements; fp32 = 4 bytes each):
 ``N = batch x seq`` tokens, ``D`` width, ``F = mlp_ratio x D``, ``H`` heads, ``V`` vocabulary, ``P`` the learned

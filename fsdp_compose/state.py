@@ -202,12 +202,16 @@ class ShardState:
         # Full parameters kept across the last (no-sync) backward by reshard_after_backward=False.
         self.kept_unsharded = False
         self.entries: list[_Entry] = []  # forward calls whose backward has not run yet
+        # Forward calls a backward of this step already ran: a backward through a retained graph
+        # (``retain_graph=True``) runs them again, so the next backward asks autograd about them too.
+        self.ran: list[_Entry] = []
         self.recomputes_due = 0  # calls this backward recomputes (set by the step when it begins)
         self.reset_step()
 
     def reset_step(self) -> None:
         """Forget this step's forward: entries, open calls, casts."""
         self.entries = []
+        self.ran = []
         self.reset_forward()
 
     def reset_forward(self) -> None:

@@ -159,7 +159,9 @@ class StepContext:
         if self.backward is not None:
             return
         # The calls of each unit this backward runs here (autograd is asked once per call).
-        running_calls = {id(s): [e for e in s.entries if e.runs_in_this_backward(running)] for s in self.states}
+        running_calls = {
+            id(s): [e for e in (*s.entries, *s.ran) if e.runs_in_this_backward(running)] for s in self.states
+        }
         reached = [bool(running_calls[id(state)]) for state in self.states]
         checks = any(state.collective_checks for state in self.states)
         # Per parameter: will this rank have a gradient for it (its unit's reduce-scatter needs no flags when some
@@ -265,6 +267,7 @@ class StepContext:
                 state.kept_unsharded = keep and state.unit.state is UnitState.UNSHARDED
                 # The calls this backward ran are consumed; calls it did not run wait for a later backward (a
                 # chunked loss runs the head's backward once per chunk, then the body's).
+                state.ran += [e for e in state.entries if id(e) in bp.consumed]
                 state.entries = [e for e in state.entries if id(e) not in bp.consumed]
                 state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
             self.gradients_held = any(state.unit.grads.state is GradState.ACCUMULATING for state in self.states)
@@ -389,8 +392,8 @@ def _recomputes_inside(running_calls: dict[int, list[_Entry]]) -> bool:
 def _wait_after(gather_order: list[ShardState]) -> dict[int, int]:
     """Per participant ``v``: the last gather position among ``v`` and every participant with a forward call after
     ``v``'s first one (its backward may come before ``v``'s gradients are complete, on any rank)."""
-    first = {id(s): min((e.seq for e in s.entries), default=-1) for s in gather_order}
-    last = {id(s): max((e.seq for e in s.entries), default=-1) for s in gather_order}
+    first = {id(s): min((e.seq for e in (*s.entries, *s.ran)), default=-1) for s in gather_order}
+    last = {id(s): max((e.seq for e in (*s.entries, *s.ran)), default=-1) for s in gather_order}
     result = {}
     for state in gather_order:
         if first[id(state)] < 0:

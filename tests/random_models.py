@@ -111,6 +111,7 @@ class CaseConfig:
     collective_checks: bool = False  # fc.set_collective_checks(model)
     reentrant: bool = False  # activation checkpoints use use_reentrant=True (where the checkpointed call returns a
     #                           tensor; the unsharded copy checkpoints the same way)
+    backward_twice: bool = False  # the plain loss's backward in two halves, the first with retain_graph=True
     sabotage: str = ""  # harness self-test only, never drawn: "skip_step" = the sharded side skips step 1's update
 
 
@@ -257,7 +258,7 @@ def _draw_graph_shapes(ch: Chooser, cfg: CaseConfig) -> CaseConfig:
     side_raf = cfg.side_raf
     if cfg.side == "even" and ch.flag(40):
         side_raf = _raf(ch, ws)  # a unit re-gathered for backward although this rank's loss may not reach it
-    return dataclasses.replace(
+    cfg = dataclasses.replace(
         cfg,
         blocks=blocks,
         head_unit=head_unit,
@@ -269,8 +270,10 @@ def _draw_graph_shapes(ch: Chooser, cfg: CaseConfig) -> CaseConfig:
         full_precision_eval=cfg.mp != "none" and ch.flag(50),
         collective_checks=ch.flag(60 if one_rank else 30),
         side_raf=side_raf,
-        reentrant=ch.flag(30),  # the last draw: a seed keeps every earlier decision
+        reentrant=ch.flag(30),
     )
+    # Drawn after every earlier decision, so a seed keeps them.
+    return dataclasses.replace(cfg, backward_twice=cfg.loss == "plain" and ch.flag(35))
 
 
 def config_from_seed(seed: int, ws: int | None = None) -> CaseConfig:

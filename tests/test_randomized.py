@@ -132,7 +132,12 @@ def _micro_batch(
             raise _LossFailed("injected failure in the loss")
         if mid_eval is not None:
             mid_eval()
-        (_loss(y, target) * scale).backward()
+        if cfg.backward_twice:  # two backwards through one retained graph: their gradients add up to the loss's
+            half = _loss(y, target) * (scale / 2)
+            half.backward(retain_graph=True)
+            half.backward()
+        else:
+            (_loss(y, target) * scale).backward()
         return
     # torchtitan's chunked loss: the head runs once per chunk of rows outside the root's forward, each chunk with its
     # own backward into a detached leaf; then one backward of the body with the gathered leaf gradients

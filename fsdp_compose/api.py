@@ -143,10 +143,12 @@ def reset_step(module: nn.Module) -> None:
     did not finish (the gradients of an interrupted accumulation window are dropped, since the failed micro-batch's
     are mixed in). A backward that was interrupted is completed to its end — every all-gather and reduce-scatter it
     would have issued, with the results thrown away — so ranks that stopped at different points agree again. That
-    also covers an exception on one rank only (an out-of-memory error on one device): call ``reset_step`` in the
-    ``except`` clause before any other collective, and the other ranks' backward completes; then agree across ranks
-    to skip the step (their ``.grad`` holds a full step's gradients: ``zero_grad``). Without a backward running,
-    every rank must call it at the same point.
+    also covers an exception on one rank only (an out-of-memory error on one device, in its forward or its loss):
+    call ``reset_step`` in the ``except`` clause before any other collective. It walks the other ranks' backward with
+    zeros and returns; their backward raises ``StepAbandoned`` at its end, with nothing kept, and ``reset_step``
+    there has nothing left to do: ``except RuntimeError: fc.reset_step(model); continue`` on every rank keeps them
+    in step. (After an exception inside one rank's backward the others' backward completes unaware: skip the step on
+    every rank yourself.) Without a backward running, every rank must call it at the same point.
     """
     state = _require_state(module, "reset_step")
     root = state.root

@@ -78,6 +78,6 @@ def labelled(name: str) -> contextlib.AbstractContextManager[Any]:
     return record_function(name) if enabled else contextlib.nullcontext()
 
 
-def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Element-wise maximum of ``tensor`` over ranks, in place (blocking: a step's agreement, a few integers)."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False) -> Work | None:
+    """Element-wise maximum of ``tensor`` over ranks, in place (a step's agreement: a few integers)."""
+    return cast("Work | None", dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op))

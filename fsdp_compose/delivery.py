@@ -10,7 +10,9 @@ is this module's job, because it is where the host may have to wait for the devi
 - under CPU offload the sharded ``.grad`` lives in host memory.
 
 Both need a device-to-host copy: ``deliver`` starts it and records an event, ``settle`` (the final callback) waits
-for it once. Without either, the rows become ``.grad`` at once, as views of the reduce-scatter output (no copy).
+for it once. Rows also wait for ``settle`` while the step may still turn out abandoned (``hold``: the backward's
+agreement is read in the final callback). Otherwise the rows become ``.grad`` at once, as views of the reduce-scatter
+output (no copy).
 
 Between no-sync backwards a unit holds gradients that are not in ``.grad`` yet; ``mark_held`` makes a user's
 ``zero_grad()`` visible (``user_zeroed``), so the held ones are dropped with it, as a single process would.
@@ -105,6 +107,9 @@ class GradientDelivery:
         self.reduced_hook: Callable[[torch.Tensor], None] | None = None
         self.reduced_hook_stream: torch.Stream | None = None
         self.on_finished: Callable[[], None] | None = None  # e.g. the optimizer step in backward
+        # Set by the step while no rank is known not to have abandoned it (the backward's agreement is read in the
+        # final callback): reduced rows wait in ``pending`` until ``settle``, or are dropped with the step.
+        self.hold = False
         # (id of .grad, its version) per parameter when held gradients were last left between steps: a user's
         # zero_grad changes them, which tells that the held gradients must be dropped too.
         self._marks: dict[int, tuple[int, int, int]] = {}
@@ -135,11 +140,12 @@ class GradientDelivery:
             if flags is not None:
                 delivery.flags = devices.to_host(flags)
             delivery.ready = record_event(spec.device)
-            self.pending.append(delivery)
-            if torch._C._current_graph_task_id() == -1:  # not in a backward: no final callback will settle it
-                self.settle()
+        elif not self.hold:
+            self._hand_out(delivery)
             return
-        self._hand_out(delivery)
+        self.pending.append(delivery)
+        if not self.hold and torch._C._current_graph_task_id() == -1:  # no final callback will settle it
+            self.settle()
 
     def _run_reduced_hook(self, output: torch.Tensor, flagged: bool) -> None:
         """FSDP2's all-reduce hook: ``hook(rows)`` on this rank's reduced, divided gradient rows in the reduce dtype

@@ -13,12 +13,13 @@ then walks it with two cursors (``backward.BackwardWalk``):
 Which units take part in a backward is the one thing the graph decides, and it can differ between ranks (a branch
 whose output reaches the loss on some ranks only). So it is agreed: at the first hook of a backward every rank
 computes which of its units' forward entries this backward will run (autograd says so before it runs them) and the
-ranks all-reduce that mask (``agree_on_backward``, one small collective per backward, before any other of it). A unit
+ranks all-reduce that mask (``start_agreement``, one small collective per backward, its first). A unit
 that some rank runs takes part on every rank: the others gather it and reduce zeros for it at its place in the order.
-The same collective carries "this rank abandoned the step" (``fc.reset_step`` after an exception on one rank), so
-every rank raises the same error instead of waiting for collectives that will never come, and, per parameter, whether
+The same collective carries "this rank abandoned the step" (``fc.reset_step`` after an exception on one rank: that
+rank walks the backward with zeros, the others raise ``StepAbandoned`` at its end), and, per parameter, whether
 autograd will accumulate a gradient into it on this rank: where every trainable parameter of a unit gets one on some
-rank, its reduce-scatter needs no "had a gradient" flags (``grads.py``).
+rank, its reduce-scatter needs no "had a gradient" flags (``grads.py``). It stays in flight: a rank reads it at the
+first hook only where the answer changes what it issues (``StepContext.begin_backward``), else in the final callback.
 
 ``describe_schedule(model)`` prints the schedule of a sharded model before it runs.
 """
@@ -27,18 +28,19 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
-from .collectives import all_reduce_max
+from .collectives import Work, all_reduce_max
 
 if TYPE_CHECKING:
+    from .meshes import DataParallelMesh
     from .state import ShardState
 
-__all__ = ["StepAbandoned", "StepSchedule", "agree_on_backward"]
+__all__ = ["Agreement", "PendingAgreement", "StepAbandoned", "StepSchedule", "agreement_group", "start_agreement"]
 
 
 class StepAbandoned(RuntimeError):
@@ -129,51 +131,97 @@ class Agreement:
     quitting: list[int]  # ranks that abandoned the step
 
 
-def agree_on_backward(
+def agreement_group(dp: DataParallelMesh) -> dist.ProcessGroup | None:
+    """The one group the agreement is all-reduced over: every data-parallel rank of the root (None: only this one).
+
+    One group, so the all-reduce can stay in flight: with a shard and a replicate group the second all-reduce would
+    have to wait for the first one's result on the host (gloo runs each group on its own thread). With both
+    dimensions larger than one, the data-parallel mesh flattened: a process group made once, at the root's lazy
+    init, which every rank runs at the same point.
+    """
+    groups = [g for g in (dp.shard_group, dp.replicate_group) if g is not None and dist.get_world_size(g) > 1]
+    if len(groups) <= 1:
+        return groups[0] if groups else None
+    with unset_fake_temporarily():  # mesh bookkeeping uses real tensors, also while planning under fake tensors
+        return dp.mesh._flatten().get_group()
+
+
+class PendingAgreement:
+    """The agreement's all-reduce, issued and maybe still in flight; ``result`` waits for it once and reads it."""
+
+    def __init__(
+        self, values: torch.Tensor | None, work: Work | None, reached: list[bool], expected: list[bool], **how: Any
+    ) -> None:
+        self.values, self.work = values, work
+        self.reached, self.expected = reached, expected
+        self.abandoning: bool = how["abandoning"]
+        self.checks: bool = how["checks"]
+        self.owner: str = how["owner"]
+        self._result: Agreement | None = None
+
+    @property
+    def known(self) -> bool:
+        return self._result is not None
+
+    def result(self) -> Agreement:
+        """Wait for the all-reduce (the host's one wait for it) and decode it.
+
+        Raises ``RuntimeError`` when fingerprints differ (collective checks on): a rank with checks on waits for the
+        agreement before any other collective of its backward, so nothing hangs.
+        """
+        if self._result is None:
+            self._result = self._decode()
+        return self._result
+
+    def _decode(self) -> Agreement:
+        me = dist.get_rank() if dist.is_initialized() else 0
+        values = self.values
+        if values is None:  # this rank is the only data-parallel rank
+            return Agreement(self.reached, self.expected, [me] if self.abandoning else [])
+        if self.work is not None:
+            self.work.wait()
+        if is_fake(values):
+            # The planner simulates one rank of identical ones (FakeTensorMode, fake process group): what this rank
+            # runs is what every rank runs.
+            return Agreement(self.reached, self.expected, [me] if self.abandoning else [])
+        result = values.tolist()
+        world = dist.get_world_size()
+        n = len(self.reached) + len(self.expected)
+        quitting = [rank for rank in range(world) if result[n + rank]]
+        if self.checks and not quitting and result[n + world] != -result[n + world + 1]:
+            raise RuntimeError(
+                f"fsdp_compose collective check: the ranks' collective schedules under {self.owner} differ at the "
+                "start of a backward (units, trainable parameters, sync or reshard settings); every rank must make "
+                "the same changes at the same step. fc.describe_schedule(model) on each rank shows what differs"
+            )
+        participants = [bool(v) for v in result[: len(self.reached)]]
+        return Agreement(participants, [bool(v) for v in result[len(self.reached) : n]], quitting)
+
+
+def start_agreement(
     schedule: StepSchedule,
+    group: dist.ProcessGroup | None,
     reached: list[bool],
     *,
     abandoning: bool,
     checks: bool,
     expected: list[bool] | None = None,
-) -> Agreement:
-    """All-reduce (MAX) this rank's participation mask, the parameters it expects gradients for (``expected``, one
-    per ``parameter_count``; None: none), whether it abandons the step, and (with collective checks) the schedule's
-    fingerprint, over the root's data-parallel groups.
-
-    Raises ``RuntimeError`` on every rank when fingerprints differ (collective checks on): before any collective of
-    the backward, so nothing hangs.
-    """
-    root = schedule.root
-    dp = root.unit.dp
-    groups = [g for g in (dp.shard_group, dp.replicate_group) if g is not None and dist.get_world_size(g) > 1]
+) -> PendingAgreement:
+    """Issue the all-reduce (MAX) of this rank's participation mask, the parameters it expects gradients for
+    (``expected``, one per ``parameter_count``; None: none), whether it abandons the step, and (with collective
+    checks) the schedule's fingerprint, over ``group`` (``agreement_group``). Nothing waits for it here."""
     expected = expected if expected is not None else [False] * schedule.parameter_count()
-    if not groups:
-        return Agreement(reached, expected, [0] if abandoning else [])
+    owner = schedule.root.unit.owner_name
+    if group is None:
+        return PendingAgreement(None, None, reached, expected, abandoning=abandoning, checks=checks, owner=owner)
     world = dist.get_world_size()
-    me = dist.get_rank()
-    n = len(reached) + len(expected)
     fingerprint = schedule.fingerprint() if checks else 0
     # [mask..., abandoning ranks..., fingerprint, -fingerprint]: one MAX gives the union, the set of ranks that
     # abandon, and whether every fingerprint was equal (max == -max(-x) only when all are equal).
     flags = [0] * world
     if abandoning:
-        flags[me] = 1
+        flags[dist.get_rank()] = 1
     row = [*map(int, reached), *map(int, expected), *flags, fingerprint, -fingerprint]
-    values = torch.tensor(row, dtype=torch.int64, device=root.device)
-    for group in groups:
-        all_reduce_max(values, group)
-    if is_fake(values):
-        # The planner simulates one rank of identical ones (FakeTensorMode, fake process group): what this rank
-        # runs is what every rank runs.
-        return Agreement(reached, expected, [me] if abandoning else [])
-    result = values.tolist()
-    quitting = [rank for rank in range(world) if result[n + rank]]
-    if checks and not quitting and result[n + world] != -result[n + world + 1]:
-        raise RuntimeError(
-            f"fsdp_compose collective check: the ranks' collective schedules under {root.unit.owner_name} differ at "
-            "the start of a backward (units, trainable parameters, sync or reshard settings); every rank must make "
-            "the same changes at the same step. fc.describe_schedule(model) on each rank shows what differs"
-        )
-    participants = [bool(v) for v in result[: len(reached)]]
-    return Agreement(participants, [bool(v) for v in result[len(reached) : n]], quitting)
+    values = torch.tensor(row, dtype=torch.int64, device=schedule.root.device)
+    work = all_reduce_max(values, group, async_op=True)
+    return PendingAgreement(values, work, reached, expected, abandoning=abandoning, checks=checks, owner=owner)

@@ -36,7 +36,7 @@ from .backward import BackwardWalk, graph_task
 from .checks import check_ranks_agree
 from .collectives import labelled
 from .grads import GradState
-from .schedule import StepAbandoned, StepSchedule, agree_on_backward
+from .schedule import Agreement, PendingAgreement, StepAbandoned, StepSchedule, agreement_group, start_agreement
 from .streams import side_stream
 from .unit import UnitState
 
@@ -65,6 +65,11 @@ class StepContext:
         self.schedule = StepSchedule(root, states)
         self.phase = StepPhase.IDLE
         self.backward: BackwardWalk | None = None
+        # This backward's agreement (schedule.py), until the final callback reads it; the group it goes over.
+        self.agreement: PendingAgreement | None = None
+        self.agreement_group = agreement_group(root.unit.dp)
+        # The last backward ended in StepAbandoned (a peer reset the step): fc.reset_step has nothing left to do.
+        self.abandoned_elsewhere = False
         self.calls_seen = 0  # forward calls of units so far (their order: see _wait_after)
         self.forward_raised = False  # the last root forward raised: its remaining all-gathers were never issued
         # The last backward left no-sync gradients in accumulation buffers (decided from settings, so it is the same
@@ -108,6 +113,7 @@ class StepContext:
         """
         if self.phase is StepPhase.BACKWARD:
             self.abandon()  # a backward that raised: its final callback never ran
+        self.abandoned_elsewhere = False
         if any(state.collective_checks for state in self.states):
             check_ranks_agree(self.root, self.states)  # before anything of this step communicates
         for state in self.states:
@@ -154,8 +160,16 @@ class StepContext:
 
     # ------------------------------------------------------------------ backward
     def begin_backward(self, running: object = None) -> None:
-        """The first pre-backward of a backward (``running``: its node): agree on its participants, queue the final
-        callback."""
+        """The first pre-backward of a backward (``running``: its node): issue the agreement on its participants,
+        build the walk, queue the final callback.
+
+        The agreement's answer is waited for here only where it changes what this rank issues: a unit this rank
+        does not run (a peer may run it), a parameter it expects no gradient for ("had a gradient" counts), collective
+        checks (a fingerprint to compare before anything else), or user code that acts on a gradient as it is
+        delivered (post-accumulate-grad hooks, an optimizer step in backward). Otherwise this rank's own answer is
+        the union and the backward goes on at once; the final callback reads the answer (did a rank abandon the
+        step?) before any gradient is handed out.
+        """
         if self.backward is not None:
             return
         # The calls of each unit this backward runs here (autograd is asked once per call).
@@ -169,34 +183,46 @@ class StepContext:
         expected = [
             mp.trainable and s.unit.grads.input.expects_gradient(mp) for s in self.states for mp in s.unit.params
         ]
-        try:
-            agreed = agree_on_backward(self.schedule, reached, abandoning=False, checks=checks, expected=expected)
-        except RuntimeError:
-            self.abandon(agreed=True)  # every rank raises here: nothing of this backward was issued
-            raise
-        participants, quitting = agreed.participants, agreed.quitting
-        if quitting:
-            self.abandon(agreed=True)
-            raise StepAbandoned(
-                f"fsdp_compose: rank(s) {quitting} abandoned this step (fc.reset_step) while this rank ran its "
-                f"backward under {self.root.unit.owner_name}: no gradient of it is kept on any rank. Skip the step "
-                "on every rank (the next forward starts a new one)"
-            )
+        pending = start_agreement(
+            self.schedule, self.agreement_group, reached, abandoning=False, checks=checks, expected=expected
+        )
+        every_gradient = all(got for mp, got in zip(self._params(), expected, strict=True) if mp.trainable)
+        if not checks and all(reached) and every_gradient and not self._acts_on_delivery():
+            agreed = Agreement(reached, expected, [])  # this rank's answer is the union
+        else:
+            try:
+                agreed = pending.result()
+            except RuntimeError:
+                self.abandon(agreed=True)  # every rank raises here: nothing of this backward was issued
+                raise
+        self.agreement = pending
+        for state in self.states:
+            # Until the final callback knows no rank abandoned the step, reduced rows wait there (delivery.py).
+            state.unit.grads.delivery.hold = not pending.known or bool(agreed.quitting)
         _decide_flag_columns(self.states, agreed.gradient_somewhere)
+        for state in self.states:
+            state.recomputes_due = sum(1 for e in running_calls[id(state)] if e.inputs is not None)
+        self.backward = self._walk(agreed.participants, running_calls, running)
+        self.phase = StepPhase.BACKWARD
+        Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _walk(
+        self, participants: list[bool], running_calls: dict[int, list[_Entry]], running: object = None
+    ) -> BackwardWalk:
+        """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs."""
         takes_part = {id(s) for s, p in zip(self.states, participants, strict=True) if p}
-        here = {id(s) for s, r in zip(self.states, reached, strict=True) if r}
+        here = {id(s) for s in self.states if running_calls.get(id(s))}
         # Post-backward hooks each participant waits for here. A call whose inputs need no gradient has none (its
         # backward's end is not observable): such a unit finishes in the final callback.
         awaiting: dict[int, int] = {}
         for state in self.states:
-            calls = running_calls[id(state)]
-            state.recomputes_due = sum(1 for e in calls if e.inputs is not None)
+            calls = running_calls.get(id(state), [])
             if calls:
                 observable = all(e.post_backward_runs() for e in calls)
                 awaiting[id(state)] = len(calls) if observable else -1
         gather_order = [s for s in self.schedule.gather_order if id(s) in takes_part]
         self.draining = self.gradients_held and any(s.reduces_now for s in gather_order)
-        self.backward = BackwardWalk(
+        return BackwardWalk(
             gather_order=gather_order,
             reduce_order=[s for s in self.schedule.reduce_order if id(s) in takes_part],
             reached_here=here,
@@ -207,11 +233,22 @@ class StepContext:
             device=self.root.device,
             where=self._where,
             wait_after=_wait_after(gather_order),
-            graph_task=graph_task() if not _recomputes_inside(running_calls) else None,
-            calls_here={id(s): len(calls) for s in self.states if (calls := running_calls[id(s)])},
+            graph_task=graph_task() if here and not _recomputes_inside(running_calls) else None,
+            calls_here={id(s): len(running_calls[id(s)]) for s in self.states if running_calls.get(id(s))},
         )
-        self.phase = StepPhase.BACKWARD
-        Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _params(self) -> list[ManagedParam]:
+        return [mp for state in self.states for mp in state.unit.params]
+
+    def _acts_on_delivery(self) -> bool:
+        """Does user code act on a gradient as soon as it is delivered (an optimizer step in backward, a
+        post-accumulate-grad hook)? Then a delivery cannot wait for the final callback: the agreement is read first."""
+        for state in self.states:
+            if state.unit.grads.delivery.on_finished is not None:
+                return True
+            if any(getattr(mp.sharded, "_post_accumulate_grad_hooks", None) for mp in state.unit.grads.trainable):
+                return True
+        return False
 
     def gather_for_backward(self, state: ShardState) -> None:
         """``state`` needs its parameters for backward (its pre-backward, or a recompute in backward)."""
@@ -252,8 +289,20 @@ class StepContext:
             if bp is None:
                 return
             bp.complete()
+            quitting = self.agreement.result().quitting if self.agreement is not None else []
+            self.agreement = None
+            if quitting:
+                # Every rank has completed this backward's collectives: drop what it reduced, on every rank.
+                self.abandon(agreed=True)
+                self.abandoned_elsewhere = True
+                raise StepAbandoned(
+                    f"fsdp_compose: rank(s) {quitting} abandoned this step (fc.reset_step) while this rank ran its "
+                    f"backward under {self.root.unit.owner_name}: no gradient of it is kept on any rank. Skip the "
+                    "step (fc.reset_step here does nothing more); the next forward starts a new one"
+                )
             for state in self.states:
                 state.unit.grads.input.flags_needed = True  # what reduces outside a backward cannot know who has what
+                state.unit.grads.delivery.hold = False
                 state.recomputes_due = 0
             for state in bp.gather_order:
                 grads = state.unit.grads
@@ -297,7 +346,11 @@ class StepContext:
                     mp.full.grad = None  # partial; the reductions below carry zeros in their place
         if self.backward is not None and not agreed:
             self.backward.complete()
+        if self.agreement is not None and self.agreement.work is not None:
+            self.agreement.work.wait()  # issued by every rank: completed by every rank, its answer unused
+        self.agreement = None
         for state in self.states:
+            state.unit.grads.delivery.hold = False
             state.unit.grads.discard()
             if state.unit.state is not UnitState.SHARDED:
                 state.unit.reshard()
@@ -311,12 +364,16 @@ class StepContext:
     def reset(self) -> None:
         """``fc.reset_step``: forget the current step (held no-sync gradients too) and reshard every unit.
 
-        After a forward whose backward is pending, another rank may be running that backward (this rank raised in
-        its loss): the ranks then agree on abandoning it through the backward's agreement, and every rank raises
-        the same ``StepAbandoned`` unless all of them abandon it.
+        After a forward whose backward is pending, other ranks may be running that backward (this rank raised in its
+        loss, or in its forward): this rank then joins the backward's agreement as abandoning, walks the agreed order
+        with zeros (every collective the others issue, nothing kept), and returns; the others learn it from the
+        agreement at the end of their backward and raise ``StepAbandoned`` there. A rank that just got that error
+        has nothing left to do here: its step already ended on every rank.
         """
-        quitting: list[int] = []
-        everyone = True
+        if self.abandoned_elsewhere:
+            self.abandoned_elsewhere = False
+            self._forget_step()
+            return
         if self.forward_raised and self.backward is None:
             # This rank's forward stopped at an exception; the others (if it raised here only) go on through theirs:
             # issue the forward all-gathers they issue after that point, in registration order, each freed again.
@@ -328,10 +385,25 @@ class StepContext:
             # Every rank calls reset_step at the same point, or this rank alone while the others run the backward
             # of the step it abandons: either way they meet in the backward's agreement.
             reached = [False] * len(self.states)
-            quitting = agree_on_backward(self.schedule, reached, abandoning=True, checks=False).quitting
-            everyone = len(quitting) == _ranks_in(self.root)
+            pending = start_agreement(self.schedule, self.agreement_group, reached, abandoning=True, checks=False)
+            agreed = pending.result()
+            if any(agreed.participants):
+                # Walk the others' backward with zeros, from the state their finished forward left each unit in:
+                # resharded where it reshards after forward (its backward all-gather comes in the walk), kept where
+                # it keeps its parameters (no backward all-gather there, also where this rank's failed forward
+                # freed them).
+                for state in self.states:
+                    if state.reshard_after_forward and not state.unit.explicit:
+                        state.unit.reshard()
+                _decide_flag_columns(self.states, agreed.gradient_somewhere)
+                walk = self._walk(agreed.participants, {})
+                walk.gathered |= {id(s) for s in walk.gather_order if not s.reshard_after_forward}
+                self.backward = walk
         if self.backward is not None or any(s.unit.grads.has_pending() for s in self.states):
             self.abandon()
+        self._forget_step()
+
+    def _forget_step(self) -> None:
         for state in self.states:
             state.unit.explicit = False
             if state.unit.state is not UnitState.SHARDED:
@@ -340,12 +412,6 @@ class StepContext:
             state.kept_unsharded = False
         self.backward = None
         self.phase = StepPhase.IDLE
-        if not everyone:
-            raise StepAbandoned(
-                f"fsdp_compose: this rank abandoned the step (fc.reset_step) under {self.root.unit.owner_name} while "
-                f"other ranks ran its backward (abandoning: {quitting}): no gradient of it is kept on any rank. Skip "
-                "the step on every rank (the next forward starts a new one)"
-            )
 
 
 def _decide_flag_columns(states: list[ShardState], gradient_somewhere: list[bool]) -> None:
@@ -405,8 +471,3 @@ def _wait_after(gather_order: list[ShardState]) -> dict[int, int]:
             if other is state or last[id(other)] > first[id(state)]
         )
     return result
-
-
-def _ranks_in(root: ShardState) -> int:
-    dp = root.unit.dp
-    return dp.size if dp.size > 0 else 1

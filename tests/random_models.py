@@ -96,8 +96,9 @@ class CaseConfig:
     faults: tuple[tuple[int, str, int], ...] = ()  # (step, kind, index): a micro-batch thrown away before the real
     #   ones. "forward" | "backward": an exception in block ``index`` on every rank (caught); "discard": a no-sync
     #   backward followed by zero_grad; "loss_one": the loss raises on rank ``index % ws`` only, which calls
-    #   fc.reset_step, and every rank must then get fc's StepAbandoned; "backward_one": block ``index`` raises in
-    #   backward on rank ``index % ws`` only, which calls fc.reset_step (the others' backward completes)
+    #   fc.reset_step (which returns), and every other rank must get fc's StepAbandoned; "backward_one": block
+    #   ``index`` raises in backward on rank ``index % ws`` only, which calls fc.reset_step (the others' backward
+    #   completes)
     head_unit: str = "none"  # "none" (the head is in the root's unit) | "head" (a unit of its own) | "norm_head"
     #                           (a final LayerNorm ``norm`` and the head as one unit: fully_shard([norm, head]))
     head_raf: Raf = None

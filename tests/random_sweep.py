@@ -8,7 +8,8 @@
 
 A case passes when the sharded parameters match the single-process reference after every step (fp32 1e-5, bf16
 2e-2, relative to 1 + |value|), every rank issued the same collectives (kind, numel) in the same order on every
-process group, and every rank got the same step errors (``loss_one`` faults: fc's StepAbandoned on every rank).
+process group, and every rank got the step errors it should (``loss_one`` faults: the failing rank's ``fc.reset_step``
+returns, every other rank gets fc's StepAbandoned at the end of its backward).
 
 Runs on its own gloo pools (tests/pool.py), with the same case body as tests/test_randomized.py.
 """

@@ -424,6 +424,6 @@ def test_replicate_only_dp_mesh_dims_issues_torchs_collectives(run_dist) -> None
     # (numbers and placements against torch: test_fsdp2_compat.py::test_dp_mesh_dims_matches_torchs_fully_shard)
     for ours, theirs in run_dist(2, _replicate_only_collectives):
         # one all-reduce per unit, nothing gathered or scattered; fsdp_compose adds its one agreement per backward
-        # (which units the backward runs: schedule.agree_on_backward)
+        # (which units the backward runs: schedule.start_agreement)
         assert theirs == {"c10d.allreduce_": 3}
         assert ours == {"c10d.allreduce_": 3 + 1}

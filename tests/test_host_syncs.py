@@ -225,3 +225,66 @@ def _input_copies(rank: int, ws: int) -> list[bool]:
 
 def test_inputs_move_with_a_blocking_copy(run_dist) -> None:
     assert run_dist(1, _input_copies) == [[False]]
+
+
+def _order_of_backward(rank: int, ws: int, case: str) -> dict[str, Any]:
+    """The backward's collectives and the host's wait for the agreement, in the order they happen; and the
+    parameters after two SGD steps against the reference."""
+    import fsdp_compose.schedule as schedule_module
+
+    cfg = GPTConfig(n_layers=3)
+    reference, model = reference_and_copy(cfg)
+    shard_gpt(model, mesh_1d(ws))
+    if case == "checks":
+        fc.set_collective_checks(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    events: list[str] = []
+    original = schedule_module.PendingAgreement.result
+
+    def result(self: Any) -> Any:
+        if not self.known:
+            events.append("agreement waited")
+        return original(self)
+
+    orders = []
+    schedule_module.PendingAgreement.result = result  # type: ignore[method-assign]
+    try:
+        for step in range(2):
+            x, y = synthetic_batch(cfg, 4, step)
+            loss_fn(reference(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss = loss_fn(model(local_batch(x, rank, ws)), local_batch(y, rank, ws))
+            events.clear()
+            with fc.CollectiveRecorder(observer=lambda record, *_: events.append(record.kind)):
+                loss.backward()
+            orders.append(list(events))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        schedule_module.PendingAgreement.result = original  # type: ignore[method-assign]
+    from tests.dist_utils import max_param_diff
+
+    return {"orders": orders, "diff": max_param_diff(model, reference)}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_backward_issues_every_collective_before_it_waits_for_the_agreement(run_dist, ws: int) -> None:
+    """The common path (every unit reached, every trainable parameter expects a gradient): the host reads the
+    backward's agreement only in the final callback, after every all-gather and reduce-scatter of the backward."""
+    for result in run_dist(ws, _order_of_backward, "plain"):
+        for order in result["orders"]:
+            waited = order.index("agreement waited")
+            issued = [i for i, kind in enumerate(order) if kind in ("all_gather", "reduce_scatter")]
+            assert order.count("reduce_scatter") == 4 and issued and max(issued) < waited, order
+        assert result["diff"] <= SGD_TOL
+
+
+def test_collective_checks_wait_for_the_agreement_first(run_dist) -> None:
+    """With collective checks on the fingerprints are compared before anything of the backward is issued."""
+    for result in run_dist(2, _order_of_backward, "checks"):
+        for order in result["orders"]:
+            first = next(i for i, kind in enumerate(order) if kind in ("all_gather", "reduce_scatter"))
+            assert order.index("agreement waited") < first, order
+        assert result["diff"] <= SGD_TOL

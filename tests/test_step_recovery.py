@@ -15,7 +15,15 @@ import torch.nn as nn
 import fsdp_compose as fc
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.unit import UnitState
-from tests.dist_utils import local_batch, make_optimizer, max_param_diff, mesh_1d, reference_and_copy, shard_gpt
+from tests.dist_utils import (
+    local_batch,
+    make_optimizer,
+    max_param_diff,
+    mesh_1d,
+    mesh_nd,
+    reference_and_copy,
+    shard_gpt,
+)
 
 
 class _Boom(RuntimeError):
@@ -162,3 +170,57 @@ def test_a_dropped_no_sync_micro_batch_is_not_reduced(run_dist, ws: int, how: st
 @pytest.mark.parametrize("ws", [2])
 def test_an_undropped_no_sync_micro_batch_is_reduced(run_dist, ws: int) -> None:
     assert max(run_dist(ws, _dropped_micro_batch, "keep")) <= 1e-5
+
+
+def _one_rank_fails(rank: int, ws: int, where: str, checks: bool, hsdp: bool) -> dict[str, Any]:
+    """The loop docs/errors.md gives: ``except RuntimeError: fc.reset_step(model); continue`` on every rank. At step 1
+    the last rank alone raises (``where``: in a block's forward, or in its loss). Every rank must skip step 1 (the
+    reference skips it), the failing rank with its own error, every other one with ``StepAbandoned`` at the end of
+    its backward, and go on in step."""
+    cfg = GPTConfig(n_layers=3)
+    reference, model = reference_and_copy(cfg)
+    mesh = mesh_nd((2, ws // 2), ("replicate", "shard")) if hsdp else mesh_1d(ws)
+    shard_gpt(model, mesh)
+    if checks:
+        fc.set_collective_checks(model)
+    failer = _Failer("forward")
+    model.blocks[1].register_forward_pre_hook(failer.forward_pre)
+    opt = make_optimizer("sgd")(model.parameters())
+    ref_opt = make_optimizer("sgd")(reference.parameters())
+    failing, outcomes = ws - 1, []
+    for step in range(3):
+        inputs, targets = synthetic_batch(cfg, 4, step)
+        if step != 1:
+            ref_opt.zero_grad()
+            loss_fn(reference(inputs), targets).backward()
+            ref_opt.step()
+        fails_here = step == 1 and rank == failing
+        failer.armed = fails_here and where == "forward"
+        try:
+            loss = loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws))
+            if fails_here and where == "loss":
+                raise _Boom("the loss failed")
+            loss.backward()
+        except RuntimeError as error:
+            failer.armed = False
+            outcomes.append(type(error).__name__)
+            fc.reset_step(model)  # returns on every rank
+            opt.zero_grad()
+            continue
+        outcomes.append("ok")
+        opt.step()
+        opt.zero_grad()
+    return {"diff": max_param_diff(model, reference), "outcomes": outcomes}
+
+
+@pytest.mark.parametrize("checks", [False, True])
+@pytest.mark.parametrize("where", ["forward", "loss"])
+@pytest.mark.parametrize("ws,hsdp", [(2, False), (4, False), (4, True)])
+def test_reset_in_an_except_clause_keeps_every_rank_in_step(
+    run_dist, ws: int, hsdp: bool, where: str, checks: bool
+) -> None:
+    results = run_dist(ws, _one_rank_fails, where, checks, hsdp)
+    for rank, result in enumerate(results):
+        failed = "_Boom" if rank == ws - 1 else "StepAbandoned"
+        assert result["outcomes"] == ["ok", failed, "ok"], (rank, result)
+        assert result["diff"] <= 1e-5, (rank, result)

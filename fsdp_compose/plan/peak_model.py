@@ -338,7 +338,7 @@ def _block_backward(s: _Schedule, m: _Gpt, made: Callable[[Sequence[tuple[int, .
     s.free(TEMP, 2 * n * d)
 
 
-def _backward(s: _Schedule, m: _Gpt, walk: _Walk, blocks: Mapping[int, str], root: str) -> None:
+def _backward(s: _Schedule, m: _Gpt, walk: _Walk, blocks: Mapping[int, str], root: str, agreement: int) -> None:
     n, d, v = m.n, m.d, m.v
     s.begin("backward")
     s.add(TEMP, 1)  # d loss
@@ -348,6 +348,8 @@ def _backward(s: _Schedule, m: _Gpt, walk: _Walk, blocks: Mapping[int, str], roo
     s.add(TEMP, n * v)  # grad of the logits
     s.free(TEMP, n * v)
     s.free(ACT, n * v)  # and the saved log-probabilities
+    # The backward's agreement (schedule.start_agreement): int64s, in flight until the end of backward.
+    s.add(TEMP, agreement)
     walk.enter_backward(root)  # the root's outputs are the loss's inputs: its pre-backward comes first
     s.add(GRAD, v * d)  # head weight
     walk.gradients_made(root, [(v, d)])
@@ -376,6 +378,7 @@ def _backward(s: _Schedule, m: _Gpt, walk: _Walk, blocks: Mapping[int, str], roo
     s.free(TEMP, n * d)  # grad of x0
     walk.end_backward(root)
     walk.finish()
+    s.free(TEMP, agreement)
     s.free(ACT, 2)  # the loss is released after backward
 
 
@@ -488,7 +491,10 @@ def peak_model(config: PlanConfig, record: StepRecord) -> PeakModel | None:
     running = _Schedule(start)
     walk = _Walk(running, units, schedule)
     _forward(running, m, walk, blocks, root)
-    _backward(running, m, walk, blocks, root)
+    params = sum(len(record.unit_params[u["name"]]) for u in schedule["units"])
+    # One int64 (two 4-byte elements) per unit, per parameter, per rank, and the two fingerprint halves.
+    agreement = 2 * (len(units) + params + config.world_size + 2) if config.world_size > 1 else 0
+    _backward(running, m, walk, blocks, root, agreement)
     shard_rank = config.rank % shards
     _optimizer(running, config, record.optimizer_shapes, shard_rank)
     return PeakModel(

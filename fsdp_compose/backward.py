@@ -102,11 +102,13 @@ class BackwardWalk:
             state.gather_now()  # run by this backward although no entry said so (a forward inside backward)
             return
         self._advance_gathers(target, needed=state)
-        if id(state) not in self.done:
+        if id(state) not in self.done and state.unshard_in_backward:
             state.gather_now()
 
     def _issue_backward_gather(self, passed: ShardState, *, now: bool) -> None:
-        if now:
+        if not passed.unshard_in_backward:
+            self.gathered.add(id(passed))  # its backward reads no parameter: nothing to gather
+        elif now:
             # Copied out before its prefetch is issued: the prefetch's output then never coexists with this unit's
             # all-gather output and full parameters (the same all-gathers, in the same order).
             self.gathered.add(id(passed))
@@ -189,7 +191,7 @@ class BackwardWalk:
 
     def _prefetch(self, targets: list[ShardState], *, after_reductions: bool = False) -> None:
         for target in targets:
-            if id(target) not in self.gathered:
+            if id(target) not in self.gathered and target.unshard_in_backward:
                 if after_reductions:
                     # The reduce-scatter this unit is about to issue waits for the older ones anyway (the window):
                     # waiting first keeps them from living next to the prefetched all-gather output.

@@ -15,8 +15,6 @@ no machinery for a setting, the reason is one of:
 - it tunes streams or buffers fsdp_compose does not have (``set_post_optim_event``, ``share_comm_ctx``,
   ``set_allocate_memory_from_process_group_for_comm``,
   ``set_symm_mem_for_comm``, ``_set_unshard_async_op``): values are validated and nothing changes in what is computed;
-- ``set_unshard_in_backward(False)`` would save an all-gather: fsdp_compose gathers anyway (a warning says so; the
-  gradients are the same);
 - its contract does not map onto fsdp_compose's (``set_custom_all_gather``, ``set_custom_reduce_scatter``): it
   raises ``NotImplementedError`` naming the ``fc.ShardExtensions`` alternative, rather than silently not calling the
   user's code.
@@ -185,13 +183,7 @@ def _set_separate_reduce_scatter_group(module: nn.Module, enable: bool = True, *
 
 def _set_unshard_in_backward(module: nn.Module, unshard_in_backward: bool) -> None:
     _check_bool(unshard_in_backward, "unshard_in_backward", "set_unshard_in_backward")
-    api._require_state(module, "set_unshard_in_backward")
-    if not unshard_in_backward:
-        warnings.warn(
-            f"set_unshard_in_backward(False) on {type(module).__name__}: fsdp_compose still all-gathers this unit in "
-            "backward (the gradients are the same; the all-gather FSDP2 would skip is not saved)",
-            stacklevel=3,
-        )
+    api._require_state(module, "set_unshard_in_backward").unshard_in_backward = unshard_in_backward
 
 
 def _set_allocate_memory_from_process_group_for_comm(module: nn.Module, enable: bool) -> None:

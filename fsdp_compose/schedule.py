@@ -65,7 +65,7 @@ class ScheduledUnit:
         found = []
         if gathers:
             found.append("all_gather(forward)")
-            if reshards:
+            if reshards and state.unshard_in_backward:
                 found.append("all_gather(backward)")
         if unit.grads.trainable and state.reduces_now and unit.world_size > 1:
             found.append("reduce_scatter")

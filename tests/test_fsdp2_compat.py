@@ -379,8 +379,7 @@ def _settings(rank: int, ws: int) -> list[str]:
 
 
 def test_settings_without_machinery_are_validated_and_documented(run_dist) -> None:
-    unshard, deprecated, all_gather, reduce_scatter = run_dist(2, _settings)[0]
-    assert "still all-gathers" in unshard
+    deprecated, all_gather, reduce_scatter = run_dist(2, _settings)[0]
     assert "set_gradient_divide_factor" in deprecated
     assert "ShardExtensions(all_gather=" in all_gather
     assert "ShardExtensions(reduce_scatter=" in reduce_scatter
@@ -404,3 +403,63 @@ def test_torchs_register_fsdp_forward_method_is_a_no_op_and_ours_works(run_dist)
     # Documented in docs/integrations.md: call fc.register_forward_method (torch's returns without doing anything).
     for registered_by_torch, works in run_dist(2, _register):
         assert not registered_by_torch and works
+
+
+class _Embedded(nn.Module):
+    """OLMo-core's layout: an embedding unit whose backward reads no weight, blocks, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _unshard_in_backward(rank: int, ws: int, impl: str, needs_params: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    reference = _Embedded()
+    model = copy.deepcopy(reference)
+    mesh = mesh_1d(ws)
+    shard = torch_fsdp.fully_shard if impl == "torch" else lambda m, **kw: fc.fully_shard(m, fsdp2_methods=True, **kw)
+    for module in (model.embed, *model.blocks):
+        shard(module, mesh=mesh)
+    shard(model, mesh=mesh)
+    # A block's backward does read its weight: the setting is then wrong, and the backward must fail, not read garbage.
+    (model.blocks[0] if needs_params else model.embed).set_unshard_in_backward(False)  # type: ignore[operator]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    gathers = []
+    for step in range(3):
+        ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step))
+        loss_fn(reference(ids), ids).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = loss_fn(model(local_batch(ids, rank, ws)), local_batch(ids, rank, ws))
+        with fc.CollectiveRecorder() as recorder:
+            try:
+                loss.backward()
+            except RuntimeError as error:
+                return {"error": str(error)}
+        gathers.append(recorder.counts()["all_gather"])
+        opt.step()
+        opt.zero_grad()
+    return {"gathers": gathers, "diff": max_param_diff(model, reference)}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_unshard_in_backward_false_skips_the_all_gather_like_torch(run_dist, ws: int) -> None:
+    ours, theirs = run_dist(ws, _unshard_in_backward, "fc", False), run_dist(ws, _unshard_in_backward, "torch", False)
+    for mine, torch_result in zip(ours, theirs, strict=True):
+        assert mine["gathers"] == torch_result["gathers"] == [2] * 3, (mine, torch_result)  # the blocks only
+        assert mine["diff"] <= 1e-5 and torch_result["diff"] <= 1e-5, (mine, torch_result)
+
+
+def test_unshard_in_backward_false_on_a_unit_that_needs_its_parameters_fails(run_dist) -> None:
+    for result in run_dist(2, _unshard_in_backward, "fc", True):
+        assert "storage of size 0" in result["error"], result

@@ -295,9 +295,13 @@ class BackwardWalk:
             self.reduce_cursor += 1
 
     def reap(self) -> None:
-        """Move every reduction in flight that has completed on (a check, not a wait): frees its input."""
+        """Move the reductions in flight that have completed on (a check, not a wait), oldest first, stopping at the
+        first still running: what comes next (HSDP's all-reduce over replicas) then goes out in the agreed order on
+        every rank, never in the order the collectives happened to complete (which differs between ranks)."""
         for state in self.reducing:
             state.unit.grads.advance(only_if_done=True)
+            if state.unit.grads.state is GradState.REDUCE_SCATTERING:
+                break
         self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
 
     def make_room(self) -> None:

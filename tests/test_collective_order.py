@@ -303,3 +303,67 @@ def test_reduce_scatters_run_on_their_own_group(run_dist) -> None:
         name: {kind for kind, _ in calls if kind in flat} for name, calls in results[0]["record"].items()
     }
     assert sorted(map(sorted, filter(None, kinds_per_group.values()))) == [["all_gather"], ["reduce_scatter"]]
+
+
+class _LateFirst:
+    """A reduce-scatter's work that reports itself still running until it is waited for, while the ones issued
+    after it report what gloo says: the completion order an accelerator may show, where the oldest finishes last."""
+
+    def __init__(self, work: Any, late: bool) -> None:
+        self.work, self.late = work, late
+
+    def wait(self) -> Any:
+        self.late = False
+        return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return not self.late and self.work.wait()  # gloo completes a collective only once it is waited for
+
+
+def _replica_all_reduce_order(rank: int, ws: int) -> dict[str, Any]:
+    """HSDP 2x2 with three reduce-scatters in flight, the oldest always reported unfinished: the order in which this
+    rank issues the replicas' all-reduces, as indices of the reduce-scatters whose rows they carry."""
+    import fsdp_compose.grads as grads_module
+    from tests.dist_utils import mesh_nd
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(_Block(6) for _ in range(4)), nn.Linear(6, 2))
+    reference = copy.deepcopy(blocks)
+    mesh = mesh_nd((2, 2), ("replicate", "shard"))
+    for block in blocks[:4]:
+        fc.fully_shard(block, mesh=mesh)
+    fc.fully_shard(blocks, mesh=mesh, fsdp2_methods=True)
+    blocks.set_reduce_scatter_max_input_buffers(3)  # type: ignore[operator]
+    issued: list[int] = []  # data pointers of reduce-scatter outputs, in issue order
+    reduced: list[int] = []
+    original_rs, original_ar = grads_module.reduce_scatter_flat, grads_module.all_reduce
+
+    def reduce_scatter(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        issued.append(output.data_ptr())
+        return _LateFirst(original_rs(output, *args, **kwargs), late=len(issued) % 3 == 1)
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        reduced.append(len(issued) - 1 - issued[::-1].index(tensor.data_ptr()))  # memory is reused across steps
+        return original_ar(tensor, *args, **kwargs)
+
+    grads_module.reduce_scatter_flat, grads_module.all_reduce = reduce_scatter, all_reduce  # type: ignore[assignment]
+    try:
+        opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for step in range(2):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+            reference(x).pow(2).mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            blocks(local_batch(x, rank, ws)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        grads_module.reduce_scatter_flat, grads_module.all_reduce = original_rs, original_ar  # type: ignore[assignment]
+    return {"reduced": reduced, "issued": len(issued), "diff": max_param_diff(blocks, reference)}
+
+
+def test_replica_all_reduces_follow_the_reduce_scatter_order_whatever_completes_first(run_dist) -> None:
+    for result in run_dist(4, _replica_all_reduce_order):
+        assert result["reduced"] == list(range(result["issued"])), result
+        assert result["diff"] <= 1e-5, result

@@ -143,3 +143,25 @@ def test_the_olmo_core_port_shards_with_methods_and_its_guards_recognise_them(ru
         for name in ("model", "train_module"):
             assert out[name] == [True, True, True, False, False, False], name  # torch's answer for the others
             assert out[f"{name}_subclass"] == [True, False], name
+
+
+def test_the_docs_olmo_core_diff_removes_lines_of_the_installed_source() -> None:
+    """docs/integrations.md's OLMo-core diff (what the port does, as source edits) against OLMo-core's installed
+    files: every removed line is there, and the diff changes as many lines as the port replaces attributes."""
+    _needs("olmo_core")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    section = (root / "docs" / "integrations.md").read_text().split("## OLMo-core", 1)[1]
+    diff = section.split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
+    package = Path(importlib.import_module("olmo_core").__file__).parent  # type: ignore[arg-type]
+    removed: list[tuple[str, str]] = []
+    current = ""
+    for line in diff:
+        if line.startswith("--- "):
+            current = line.removeprefix("--- a/src/olmo_core/")
+        elif line.startswith("-"):
+            removed.append((current, line[1:]))
+    assert len(removed) == len(PORTS["olmo_core"])
+    for path, line in removed:
+        assert (package / path).read_text().splitlines().count(line) == 1, (path, line)

@@ -22,6 +22,13 @@ Ports (each tested through the trainer's own entry point in tests/integration/):
   accumulation on a model sharded before the ``Trainer``).
 - ``"lightning"``: ``_FSDPNoSync._set_requires_grad_sync`` (Fabric's ``no_backward_sync``) also sets
   ``requires_gradient_sync`` on fsdp_compose's units.
+- ``"olmo_core"`` (AI2's OLMo-core 3.0): the ``fully_shard`` name bound in ``olmo_core.nn.transformer.model``
+  (``Transformer.apply_fsdp``: embeddings, LM head, root) and ``olmo_core.nn.transformer.block`` (each block's
+  ``apply_fsdp``) is ``fc.fully_shard(..., fsdp2_methods=True)``; the ``FSDPModule`` name those guards read in
+  ``olmo_core.nn.transformer.model`` (``apply_fsdp``'s LM-head prefetch) and
+  ``olmo_core.train.train_module.transformer.train_module`` (``_train_microbatch_context``: ``set_is_last_backward``
+  and, for HSDP, the all-reduce deferred to the last micro-batch) also recognises a module fsdp_compose sharded.
+  MoE experts (``olmo_core.nn.moe``) and pipeline stages keep torch's ``fully_shard``: not ported.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import api
+from . import api, fsdp2
 from .init import fully_shard as _fully_shard
 from .state import states_under
 
@@ -88,6 +95,25 @@ def _is_fsdp_managed(original: Callable[[nn.Module], bool]) -> Callable[[nn.Modu
     return is_fsdp_managed_module
 
 
+class _FSDPModuleGuardMeta(type):
+    """``isinstance(m, <the class>)`` is torch's ``isinstance(m, FSDPModule)`` or fsdp_compose's FSDP2-methods check."""
+
+    _torch_class: type
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, cls._torch_class) or fsdp2.has_fsdp2_methods(instance)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, cls._torch_class)
+
+
+def _fsdp_module_guard(original: type) -> type:
+    """The ``FSDPModule`` name in a module whose ``isinstance(m, FSDPModule)`` guards precede FSDP2 method calls:
+    OLMo-core reads it only in such guards and in ``typing.cast`` (a no-op at runtime), so replacing the name is the
+    one-line guard edit ``isinstance(m, FSDPModule) or fc.has_fsdp2_methods(m)`` for every guard of that module."""
+    return _FSDPModuleGuardMeta(original.__name__, (), {"_torch_class": original, "__module__": original.__module__})
+
+
 def _lightning_no_sync(original: Callable[[Any, bool], None]) -> Callable[[Any, bool], None]:
     @functools.wraps(original)
     def _set_requires_grad_sync(self: Any, requires_grad_sync: bool) -> None:
@@ -117,6 +143,14 @@ PORTS: dict[str, tuple[_Patch, ...]] = {
     "lightning": (
         ("lightning.fabric.strategies.model_parallel", "_FSDPNoSync._set_requires_grad_sync", _lightning_no_sync),
     ),
+    # Each OLMo-core module imported its names from torch at import time (`from torch.distributed.fsdp import ...`):
+    # the port replaces those module globals, not torch's.
+    "olmo_core": (
+        ("olmo_core.nn.transformer.model", "fully_shard", lambda original: _fully_shard_with_methods),
+        ("olmo_core.nn.transformer.block", "fully_shard", lambda original: _fully_shard_with_methods),
+        ("olmo_core.nn.transformer.model", "FSDPModule", _fsdp_module_guard),
+        ("olmo_core.train.train_module.transformer.train_module", "FSDPModule", _fsdp_module_guard),
+    ),
 }
 
 
@@ -130,8 +164,9 @@ def _owner(module_name: str, path: str) -> tuple[Any, str]:
 
 @contextlib.contextmanager
 def ported(*trainers: str) -> Iterator[None]:
-    """Apply the documented port of each named trainer (``"accelerate"``, ``"transformers"``, ``"lightning"``) for
-    the duration of the block; every replaced attribute is restored on exit (see the module docstring)::
+    """Apply the documented port of each named trainer (``"accelerate"``, ``"transformers"``, ``"lightning"``,
+    ``"olmo_core"``) for the duration of the block; every replaced attribute is restored on exit (see the module
+    docstring)::
 
         with fc.ported("transformers"):
             trainer.train()        # Trainer(..., fsdp="full_shard", fsdp_config={"fsdp_version": 2})

@@ -113,3 +113,55 @@ def test_the_replacements_act_on_fsdp_compose_modules_only(run_dist) -> None:
         assert out["managed"] == [True, False]
         assert out["sync_inside"] == [False, False] and out["sync_after"] == [True, True]
         assert out["generate"] == 0.0
+
+
+def _olmo_core_guards(rank: int, ws: int) -> dict[str, Any]:
+    """OLMo-core's ``fully_shard`` and ``FSDPModule`` names inside the port, on modules each library sharded."""
+    import olmo_core.nn.transformer.block as block
+    import olmo_core.nn.transformer.model as model
+    import olmo_core.train.train_module.transformer.train_module as train_module
+
+    mesh = mesh_1d(ws)
+    torch.manual_seed(0)
+    theirs = torch_fsdp.fully_shard(nn.Linear(4, 4), mesh=mesh)
+    bare = fc.fully_shard(nn.Linear(4, 4), mesh=mesh)  # no FSDP2 methods: a guard calling them must skip it
+    plain = nn.Linear(4, 4)
+    out: dict[str, Any] = {}
+    with fc.ported("olmo_core"):
+        ours = [model.fully_shard(nn.Linear(4, 4), mesh=mesh), block.fully_shard(nn.Linear(4, 4), mesh=mesh)]
+        out["sharded"] = [fc.is_fully_sharded(m) and fc.has_fsdp2_methods(m) for m in ours]
+        for name, source in (("model", model), ("train_module", train_module)):
+            out[name] = [isinstance(m, source.FSDPModule) for m in (*ours, theirs, bare, plain, None)]
+            out[f"{name}_subclass"] = [issubclass(type(m), source.FSDPModule) for m in (theirs, plain)]
+    return out
+
+
+def test_the_olmo_core_port_shards_with_methods_and_its_guards_recognise_them(run_dist) -> None:
+    _needs("olmo_core")
+    for out in run_dist(2, _olmo_core_guards):
+        assert out["sharded"] == [True, True]
+        for name in ("model", "train_module"):
+            assert out[name] == [True, True, True, False, False, False], name  # torch's answer for the others
+            assert out[f"{name}_subclass"] == [True, False], name
+
+
+def test_the_docs_olmo_core_diff_removes_lines_of_the_installed_source() -> None:
+    """docs/integrations.md's OLMo-core diff (what the port does, as source edits) against OLMo-core's installed
+    files: every removed line is there, and the diff changes as many lines as the port replaces attributes."""
+    _needs("olmo_core")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    section = (root / "docs" / "integrations.md").read_text().split("## OLMo-core", 1)[1]
+    diff = section.split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
+    package = Path(importlib.import_module("olmo_core").__file__).parent  # type: ignore[arg-type]
+    removed: list[tuple[str, str]] = []
+    current = ""
+    for line in diff:
+        if line.startswith("--- "):
+            current = line.removeprefix("--- a/src/olmo_core/")
+        elif line.startswith("-"):
+            removed.append((current, line[1:]))
+    assert len(removed) == len(PORTS["olmo_core"])
+    for path, line in removed:
+        assert (package / path).read_text().splitlines().count(line) == 1, (path, line)

@@ -1,5 +1,5 @@
-"""Runs a script of this folder under torchrun (2 ranks) and returns the JSON its rank 0 printed after ``RESULT``;
-``finish_rank`` ends such a script."""
+"""Runs a script of this folder under torchrun (2 ranks unless told) and returns the JSON its rank 0 printed after
+``RESULT``; ``finish_rank`` ends such a script."""
 
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ def finish_rank(result: dict[str, Any]) -> None:
     os._exit(0)
 
 
-def run_script(name: str, variant: str, *args: str, cwd: Path | None = None) -> Any:
-    """Runs ``name`` under torchrun with ``variant`` and ``args`` (in ``cwd``); a failure shows each rank's error
-    line first, then the ends of stdout and stderr."""
+def run_script(name: str, variant: str, *args: str, cwd: Path | None = None, nproc: int = 2) -> Any:
+    """Runs ``name`` under torchrun (``nproc`` ranks) with ``variant`` and ``args`` (in ``cwd``); a failure shows
+    each rank's error line first, then the ends of stdout and stderr."""
     script = Path(__file__).with_name(name)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     done = subprocess.run(
         [*command, str(script), variant, *args], capture_output=True, text=True, env=env, timeout=600, cwd=cwd
     )

@@ -21,7 +21,14 @@ def tests(session: nox.Session) -> None:
 
 
 # The trainers docs/integrations.md covers, at the versions its figures were measured with.
-INTEGRATION_PACKAGES = ["torchtitan==0.3.0", "lightning==2.6.6", "transformers==5.23.0", "accelerate>=1,<2", "peft"]
+INTEGRATION_PACKAGES = [
+    "torchtitan==0.3.0",
+    "lightning==2.6.6",
+    "transformers==5.23.0",
+    "accelerate>=1,<2",
+    "peft",
+    "torchft==0.2.0",  # ships torchft_lighthouse (runs on CPU)
+]
 
 
 @nox.session

@@ -59,10 +59,16 @@ def test_group_killed_in_backward_rejoins_and_replicas_stay_equal(run: Any, impl
 @pytest.mark.parametrize("route", ROUTES)
 def test_fc_trains_the_losses_of_torch(run: Any, route: str) -> None:
     """The same commits, participants and losses on group 0: under ``managed`` this needs the replica average over
-    the live group (fsdp_compose asks the group's size at the reduction; the mesh says 1 replica)."""
+    the live group (fsdp_compose asks the group's size at the reduction; the mesh says 1 replica; the sum instead
+    of the mean shows from step 2). Compared as long as the two runs' histories agree (the step group 1 rejoins at
+    is timing, held fixed by the scenario but not guaranteed), which is past the steps group 0 trained alone."""
     ours, theirs = run("fc", route), run("torch", route)
-    assert ours["group0_history"] == theirs["group0_history"]
-    steps = sorted(theirs["group0_losses"])
-    assert sorted(ours["group0_losses"]) == steps
+    common = 0
+    for a, b in zip(ours["group0_history"], theirs["group0_history"], strict=False):
+        if a != b:
+            break
+        common += 1
+    assert common >= KILL_AT + ALONE + 2, (ours["group0_history"], theirs["group0_history"])
+    steps = sorted({step for step, committed, _ in theirs["group0_history"][:common] if committed})
     expected = [theirs["group0_losses"][s] for s in steps]
     assert [ours["group0_losses"][s] for s in steps] == pytest.approx(expected, rel=1e-5)

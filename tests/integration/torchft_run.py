@@ -186,11 +186,12 @@ def worker(impl: str, route: str, group: int, attempt: int, out: Path) -> None:
             unit.set_all_reduce_hook(average_over_replicas)
 
     # Both first attempts start together (a group starting alone would train alone); after ALONE steps by itself,
-    # group 0 lets the relaunched group 1 start its manager and waits until it is about to ask for a quorum.
-    dist.barrier()
-    if rank == 0:
-        (out / f"ready_g{group}_a{attempt}").touch()
+    # group 0 lets the relaunched group 1 start its manager and waits until both its ranks asked for a quorum: the
+    # lighthouse then holds group 1's request (join_timeout) until group 0's arrives, and they rejoin at that step.
     if attempt == 0:
+        dist.barrier()
+        if rank == 0:
+            (out / f"ready_g{group}_a0").touch()
         _wait_for(out / f"ready_g{1 - group}_a0", f"group {1 - group}")
     _note(log, event="start", rank=rank, world=world, mesh=str(mesh), torch=torch.__version__)
     alone = 0
@@ -205,6 +206,10 @@ def worker(impl: str, route: str, group: int, attempt: int, out: Path) -> None:
         x = torch.randn(8, 16, generator=generator)
         y = x.sum(dim=1, keepdim=True)
         optimizer.zero_grad()  # starts the quorum (asynchronously)
+        if attempt > 0 and step == 0:
+            dist.barrier()
+            if rank == 0:
+                (out / "ready_g1_a1").touch()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()  # should_commit, then the inner step if every rank of every group in the quorum succeeded
@@ -322,8 +327,10 @@ def scenario(impl: str, route: str, out: Path) -> dict[str, Any]:
         return procs.start(f"torchrun_g{group}_a{attempt}", command, env)
 
     with _processes(out) as procs:
+        # join_timeout: how long a quorum request waits for heartbeating replicas that have not asked yet (group 1's
+        # first request after its relaunch waits for group 0's); a dead group stops heartbeating: 3 s, then it is out.
         lighthouse = [
-            lighthouse_binary(), "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "5000",
+            lighthouse_binary(), "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
             "--heartbeat_timeout_ms", "3000", "--bind", f"127.0.0.1:{lighthouse_port}",
         ]  # fmt: skip
         procs.start("lighthouse", lighthouse, env)

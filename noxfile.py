@@ -28,6 +28,7 @@ INTEGRATION_PACKAGES = [
     "accelerate>=1,<2",
     "peft",
     "ai2-olmo-core==3.0.0",
+    "torchft==0.2.0",  # ships torchft_lighthouse (runs on CPU)
 ]
 
 

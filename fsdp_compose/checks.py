@@ -5,8 +5,8 @@ issue collectives of different shapes or in a different order: a hang, or worse,
 decides a step's collectives is, per unit: which parameters are reduced and which are kept whole, the sync and
 accumulation settings, the reshard setting and the compute dtype. With checks on, the root's pre-forward turns that
 description into one 64-bit fingerprint and all-gathers it over the root's data-parallel groups (one tiny
-collective per step, before any other); only on a mismatch are the full descriptions gathered, so that every rank
-raises the same error naming the unit and what differs.
+collective per step, before any other; a replicate group managed by torchft is left out); only on a mismatch are
+the full descriptions gathered, so that every rank raises the same error naming the unit and what differs.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ def _fingerprint(described: list[tuple[str, dict[str, Any]]]) -> int:
 
 def check_ranks_agree(root: ShardState, states: list[ShardState]) -> None:
     """Raise the same ``RuntimeError`` on every rank of the root's data-parallel mesh when ranks disagree."""
-    dp = root.unit.dp
-    groups = [g for g in (dp.shard_group, dp.replicate_group) if g is not None and dist.get_world_size(g) > 1]
+    # Not over a managed replicate group (torchft's): its all-reduce zeroes a healing replica's verdict, and its
+    # size() counts the participating replicas, not the members its all-gather runs over (meshes.is_c10d_group).
+    groups = root.unit.dp.agreement_groups
     if not groups:
         return
     described = describe_step(states)

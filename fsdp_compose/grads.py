@@ -130,8 +130,13 @@ class UnitGradients:
     def has_pending(self) -> bool:
         return self.state is not GradState.IDLE or self.replica_partial is not None
 
+    def _divisors(self) -> tuple[float, float]:
+        # The data-parallel size as the groups report it now, not as the mesh had it at fully_shard: a replicate
+        # group whose size follows the live replicas (torchft) is averaged over those, as torch's fully_shard does.
+        return divide_factors(self.spec.dp.size_now(), self.divide_factor, self.spec.reduce_dtype)
+
     def _pre_divisor(self) -> float:
-        return divide_factors(self.spec.dp.size, self.divide_factor, self.spec.reduce_dtype)[0]
+        return self._divisors()[0]
 
     # ------------------------------------------------------------------ filling the buffer
     def capture(self, mp: ManagedParam) -> None:
@@ -295,7 +300,7 @@ class UnitGradients:
         self._to(GradState.IDLE)
         if self.dropping:
             return
-        _, post = divide_factors(self.spec.dp.size, self.divide_factor, self.spec.reduce_dtype)
+        _, post = self._divisors()
         with labelled(f"fsdp_compose::deliver_gradients[{self.spec.owner_name}]"):
             self.delivery.deliver(
                 flight.output,

@@ -41,6 +41,7 @@ __all__ = [
     "check_dp_mesh",
     "check_post_forward_size",
     "dp_mesh_from_dims",
+    "is_c10d_group",
     "param_placing",
     "post_forward_group",
     "post_forward_group_for",
@@ -204,9 +205,24 @@ def spmd_param_placing(
     )
 
 
+def is_c10d_group(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is one of c10d's own process groups (``init_process_group``, ``new_group``, a DeviceMesh's):
+    fixed members, and every collective combines every member's values or fails.
+
+    A Python subclass implements its collectives itself and may mean something else by them: torchft's
+    ``ManagedProcessGroup`` reports the live replica count as its ``size()`` (DeviceMesh sees 1 rank), zeroes the
+    inputs of a replica that is healing, and turns a failed collective into a no-op that leaves this rank's values
+    as they were (the step is then not committed). Gradients survive that (torchft discards the step); values every
+    rank must leave with the same (a step's agreement, collective checks) do not."""
+    return type(group) is dist.ProcessGroup
+
+
 @dataclass(frozen=True)
 class DataParallelMesh:
-    """The data-parallel mesh's roles: the shard group (gathers, reduce-scatters) and the optional replicate group."""
+    """The data-parallel mesh's roles: the shard group (gathers, reduce-scatters) and the optional replicate group.
+
+    ``replicate_size`` is the mesh's replicate dim, fixed at ``fully_shard``; ``size_now()`` asks the replicate group
+    at the time of the reduction (a torchft group's size is the number of replicas in this step's quorum)."""
 
     mesh: DeviceMesh
     shard_group: dist.ProcessGroup
@@ -230,8 +246,27 @@ class DataParallelMesh:
 
     @property
     def size(self) -> int:
-        """All data-parallel ranks: gradients are averaged over replicate x shard."""
+        """All data-parallel ranks of the mesh: replicate x shard."""
         return self.shard_size * self.replicate_size
+
+    def size_now(self) -> int:
+        """The ranks gradients are averaged over by default, asked now: the shard size times the replicate group's
+        current ``size()``. For c10d's groups that is ``size``; a group that changes size (torchft's managed group:
+        the live replicas) is asked at each reduction, as torch's ``fully_shard`` does (it asks the group for AVG or
+        divides by its ``size()`` there). A size below 1 (torchft before any quorum) counts as 1."""
+        if self.replicate_group is None:
+            return self.shard_size
+        return self.shard_size * max(1, self.replicate_group.size())
+
+    @property
+    def agreement_groups(self) -> list[dist.ProcessGroup]:
+        """The groups a step's control values (the backward's agreement, collective checks) are all-reduced over:
+        the shard group, and the replicate group where it is one of c10d's (``is_c10d_group``); each only where it
+        has other ranks. A managed replicate group is left to its manager: its failures end the step there."""
+        groups = [self.shard_group]
+        if self.replicate_group is not None and is_c10d_group(self.replicate_group):
+            groups.append(self.replicate_group)
+        return [g for g in groups if dist.get_world_size(g) > 1]
 
     def placements(self, *, whole: bool, split_factor: int, dim: int = 0) -> tuple[Placement, ...]:
         if whole:

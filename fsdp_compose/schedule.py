@@ -132,14 +132,15 @@ class Agreement:
 
 
 def agreement_group(dp: DataParallelMesh) -> dist.ProcessGroup | None:
-    """The one group the agreement is all-reduced over: every data-parallel rank of the root (None: only this one).
+    """The one group the agreement is all-reduced over: every data-parallel rank of the root (None: only this one),
+    across replicas only where the replicate group is one of c10d's (``DataParallelMesh.agreement_groups``).
 
     One group, so the all-reduce can stay in flight: with a shard and a replicate group the second all-reduce would
     have to wait for the first one's result on the host (gloo runs each group on its own thread). With both
     dimensions larger than one, the data-parallel mesh flattened: a process group made once, at the root's lazy
     init, which every rank runs at the same point.
     """
-    groups = [g for g in (dp.shard_group, dp.replicate_group) if g is not None and dist.get_world_size(g) > 1]
+    groups = dp.agreement_groups  # a managed replicate group (torchft's) is left to its manager
     if len(groups) <= 1:
         return groups[0] if groups else None
     with unset_fake_temporarily():  # mesh bookkeeping uses real tensors, also while planning under fake tensors

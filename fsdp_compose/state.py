@@ -516,7 +516,12 @@ def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entr
 def cast_inputs(
     state: ShardState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if dtype == state.unit.orig_dtype or not state.mp_policy.cast_forward_inputs:
+    """Cast floating inputs to ``param_dtype`` under torch's rule: whenever the policy names a ``param_dtype`` and
+    ``cast_forward_inputs`` is on, even when it equals the parameters' own dtype (an fp32 unit fed bf16 by an upstream
+    unit's ``output_dtype`` must compute in fp32). Not in a full-precision eval forward (``dtype`` is then the
+    parameters' own dtype, not the policy's): FSDP1's full-precision eval leaves the inputs alone too."""
+    policy_dtype = state.mp_policy.param_dtype
+    if policy_dtype is None or dtype != policy_dtype or not state.mp_policy.cast_forward_inputs:
         return args, kwargs
 
     def cast(leaf: torch.Tensor) -> torch.Tensor:

@@ -377,7 +377,9 @@ class ShardState:
         entry = calls.pop()
         self.active -= 1
         found = tensors_in(output) if torch.is_grad_enabled() else []
-        if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in found):
+        if torch._C._are_functorch_transforms_active():
+            # Inside torch.func.jvp / vmap / grad an autograd Function without setup_context raises, also on plain
+            # outputs (a unit called on a tensor captured from outside the transform): hook them instead.
             return _hook_transformed_outputs(self, found, entry, output)
         needing = _unique(t for t in found if t.requires_grad)
         if needing:
@@ -473,8 +475,11 @@ def lazy_init(root: ShardState) -> None:
 
 def _wrap_inputs(state: ShardState, args: tuple[Any, ...], kwargs: dict[str, Any], entry: _Entry) -> tuple[Any, Any]:
     needing = _unique(t for t in tensors_in((args, kwargs)) if t.requires_grad)
-    if not needing or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in needing):
-        return args, kwargs  # nothing to hook (or a torch.func transform): the final callback finishes this call
+    if not needing or torch._C._are_functorch_transforms_active():
+        # Nothing to hook, or a torch.func transform is active: an autograd Function without setup_context raises
+        # there, on the transform's own wrapped inputs and on plain ones captured from outside it alike. The final
+        # callback finishes this call.
+        return args, kwargs
     wrapped = _PostBackward.apply(state, *needing)
     entry.post = weakref.ref(wrapped[0].grad_fn)
     replacement = {id(old): new for old, new in zip(needing, wrapped, strict=True)}
@@ -496,9 +501,10 @@ def _note_recomputable(state: ShardState, entry: _Entry, args: tuple[Any, ...], 
 
 
 def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entry: _Entry, output: Any) -> Any:
-    """Outputs under a ``torch.func`` transform (``jvp``): an autograd Function cannot wrap them, so the plain
-    tensors under them (primal and tangent, whose backward both read the unit's parameters) get tensor hooks,
-    and the call counts as run by every backward until one runs (its reach cannot be asked)."""
+    """Outputs under a ``torch.func`` transform (``jvp``, ``vmap``, ``grad``): an autograd Function cannot wrap them,
+    so the plain tensors under them (primal and tangent, whose backward both read the unit's parameters; or the
+    outputs themselves when they are plain, computed from tensors captured from outside the transform) get tensor
+    hooks, and the call counts as run by every backward until one runs (its reach cannot be asked)."""
     plain = _unique(p for t in found for p in _autograd_tensors(t) if p.requires_grad)
     if plain:
         entry.always = True

@@ -78,17 +78,18 @@ def states_under(module: nn.Module) -> list[ShardState]:
 class _Entry:
     """One forward call of one of a unit's modules whose outputs need gradients: what its backward will run.
 
-    It holds the two autograd nodes the unit added around the call weakly (a forward nobody runs backward for frees
-    its graph as usual): ``pre`` on the outputs (its backward is the unit's pre-backward) and ``post`` on the inputs
-    (its backward runs once the unit's backward is done). Autograd tells, at the start of a backward, whether it will
-    run each of them: that is how a rank knows which units a backward uses before it uses them.
+    It holds the autograd nodes the unit added around the call weakly (a forward nobody runs backward for frees
+    its graph as usual): ``pre``, one per output that needs grad (its backward is the unit's pre-backward), and
+    ``post`` on the inputs (its backward runs once the unit's backward is done). Autograd tells, at the start of a
+    backward, whether it will run each of them: that is how a rank knows which units a backward uses before it uses
+    them.
     """
 
     __slots__ = ("always", "anchor", "grad_enabled", "inputs", "post", "pre", "seq")
 
     def __init__(self, seq: int = 0) -> None:
         self.seq = seq  # the root's count of calls in this step when this one began: forward order
-        self.pre: weakref.ref[Any] | None = None
+        self.pre: list[weakref.ref[Any]] = []
         self.post: weakref.ref[Any] | None = None
         self.always = False  # no node to ask (outputs under a torch.func transform): taken as run by a backward
         # A call under no_grad on inputs that need grad: a reentrant activation checkpoint's forward, whose backward
@@ -104,7 +105,7 @@ class _Entry:
             return self.anchor.alive()
         if self.inputs is not None:
             return any(ref() is not None for ref in self.inputs)
-        return self.always or (self.pre is not None and self.pre() is not None)
+        return self.always or any(ref() is not None for ref in self.pre)
 
     def runs_in_this_backward(self, running: object = None) -> bool:
         """``running``: the node whose backward is running now (autograd does not count a backward's own root
@@ -117,8 +118,16 @@ class _Entry:
         if self.inputs is not None:
             nodes = [gradient_node(t) for t in (ref() for ref in self.inputs) if t is not None]
             return any(n is running or bool(torch._C._will_engine_execute_node(n)) for n in nodes if n is not None)
-        node = self.pre() if self.pre is not None else None
-        return node is not None and (node is running or bool(torch._C._will_engine_execute_node(node)))
+        return any(node is running or bool(torch._C._will_engine_execute_node(node)) for node in self.pre_nodes())
+
+    def pre_nodes(self) -> list[Any]:
+        """The output nodes still alive (their graphs may run)."""
+        return [node for node in (ref() for ref in self.pre) if node is not None]
+
+    def outputs_pending(self) -> bool:
+        """Does an output of this call still await its backward? A backward that used some outputs only (``o1``'s
+        now, ``o2``'s in a later backward) leaves the call to the later one."""
+        return any(not getattr(node, "ran", False) for node in self.pre_nodes())
 
     def post_backward_runs(self) -> bool:
         if self.inputs is not None:
@@ -128,19 +137,20 @@ class _Entry:
 
 
 class _PreBackward(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward runs before the unit's own: gather its parameters for it.
+    """Identity on one output of a unit whose backward runs before the unit's own: gather its parameters for it.
 
-    The outputs are detached aliases, not views, so a caller may still modify them in place."""
+    The output is a detached alias, not a view, so a caller may still modify it in place."""
 
     @staticmethod
-    def forward(ctx: Any, state: ShardState, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, state: ShardState, output: torch.Tensor) -> torch.Tensor:
         ctx.state = state
-        return tuple(t.detach() for t in outputs)
+        return output.detach()
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ctx.ran = True  # see _Entry.outputs_pending
         ctx.state.pre_backward(ctx)
-        return (None, *grads)
+        return None, grad
 
 
 class _PostBackward(torch.autograd.Function):
@@ -383,8 +393,12 @@ class ShardState:
             return _hook_transformed_outputs(self, found, entry, output)
         needing = _unique(t for t in found if t.requires_grad)
         if needing:
-            hooked = _PreBackward.apply(self, *needing)
-            entry.pre = weakref.ref(hooked[0].grad_fn)
+            # One node per output, not one over all of them: a node with several outputs runs when any of them gets
+            # a gradient and hands zeros for the others, so an output the loss ignores would feed zero gradients
+            # into the unit, and autograd would count its parameters as getting gradients (the backward's
+            # agreement): they must keep ``.grad = None``, as in single-process training (docs/frozen.md).
+            hooked = [_PreBackward.apply(self, t) for t in needing]
+            entry.pre = [weakref.ref(t.grad_fn) for t in hooked]
             replacement = {id(old): new for old, new in zip(needing, hooked, strict=True)}
             output = map_tensors(lambda t: replacement.get(id(t), t), output)
             self.entries.append(entry)

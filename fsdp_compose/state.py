@@ -80,17 +80,24 @@ class _Entry:
 
     It holds the autograd nodes the unit added around the call weakly (a forward nobody runs backward for frees
     its graph as usual): ``pre``, one per output that needs grad (its backward is the unit's pre-backward), and
-    ``post`` on the inputs (its backward runs once the unit's backward is done). Autograd tells, at the start of a
-    backward, whether it will run each of them: that is how a rank knows which units a backward uses before it uses
-    them.
+    ``post``, one per input that needs grad (once the last of them this backward runs has run, the unit's backward
+    for this call is done). Autograd tells, at the start of a backward, whether it will run each of them: that is
+    how a rank knows which units a backward uses before it uses them.
+
+    One node per tensor, not one over all of them: a node with several outputs runs when any of them gets a gradient
+    and hands zeros for the others. An output the loss ignores (or an input the unit ignores) would then feed zero
+    gradients into the unit (or into what made the input), and autograd would count the parameters there as getting
+    gradients (the backward's agreement): they must keep ``.grad = None``, as in single-process training.
     """
 
-    __slots__ = ("always", "anchor", "grad_enabled", "inputs", "post", "pre", "seq")
+    __slots__ = ("always", "anchor", "grad_enabled", "inputs", "post", "posts_left", "pre", "seq")
 
     def __init__(self, seq: int = 0) -> None:
         self.seq = seq  # the root's count of calls in this step when this one began: forward order
         self.pre: list[weakref.ref[Any]] = []
-        self.post: weakref.ref[Any] | None = None
+        self.post: list[weakref.ref[Any]] = []
+        # Input nodes still to run in this backward (set when the backward begins; the last one ends the call)
+        self.posts_left = 0
         self.always = False  # no node to ask (outputs under a torch.func transform): taken as run by a backward
         # A call under no_grad on inputs that need grad: a reentrant activation checkpoint's forward, whose backward
         # recomputes it inside the backward (see ``ShardState.recomputes_due``). Its inputs, weakly.
@@ -130,10 +137,12 @@ class _Entry:
         return any(not getattr(node, "ran", False) for node in self.pre_nodes())
 
     def post_backward_runs(self) -> bool:
+        """Will this backward end the call (run an input node)? Counts the input nodes it runs (``posts_left``)."""
         if self.inputs is not None:
             return True  # its recompute wraps the inputs it runs on
-        node = self.post() if self.post is not None else None
-        return node is not None and bool(torch._C._will_engine_execute_node(node))
+        nodes = [node for node in (ref() for ref in self.post) if node is not None]
+        self.posts_left = sum(1 for node in nodes if torch._C._will_engine_execute_node(node))
+        return self.posts_left > 0
 
 
 class _PreBackward(torch.autograd.Function):
@@ -154,21 +163,27 @@ class _PreBackward(torch.autograd.Function):
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's forward inputs whose backward runs once all their gradients are computed.
+    """Identity on a unit's forward inputs (one per node, see ``_Entry``) whose backward runs once their gradients
+    are computed.
 
-    By then the unit's own backward for this call is done (its ops consumed those inputs), so once every call's is,
-    its parameter gradients can be reduced and its full parameters freed — layer by layer, not at the end of backward.
+    Once the last input node of a call that this backward runs has run, the unit's own backward for the call is done
+    (its ops consumed those inputs), so once every call's is, its parameter gradients can be reduced and its full
+    parameters freed — layer by layer, not at the end of backward.
     """
 
     @staticmethod
-    def forward(ctx: Any, state: ShardState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, state: ShardState, entry: _Entry, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
+        ctx.entry = entry
         return tuple(t.detach() for t in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward()
-        return (None, *grads)
+        entry = ctx.entry
+        entry.posts_left -= 1
+        if entry.posts_left == 0:
+            ctx.state.post_backward()
+        return (None, None, *grads)
 
 
 class ShardState:
@@ -319,7 +334,7 @@ class ShardState:
             if self.recomputes_due and torch.is_grad_enabled():
                 # A reentrant checkpoint's recompute: its own backward follows, which ends this call's backward.
                 self.recomputes_due -= 1
-                args, kwargs = _wrap_inputs(self, args, kwargs, _Entry())
+                args, kwargs = _wrap_inputs(self, args, kwargs, _Entry(), per_input=False)
             return args, kwargs
         if self.root is None:
             lazy_init(self)
@@ -393,10 +408,7 @@ class ShardState:
             return _hook_transformed_outputs(self, found, entry, output)
         needing = _unique(t for t in found if t.requires_grad)
         if needing:
-            # One node per output, not one over all of them: a node with several outputs runs when any of them gets
-            # a gradient and hands zeros for the others, so an output the loss ignores would feed zero gradients
-            # into the unit, and autograd would count its parameters as getting gradients (the backward's
-            # agreement): they must keep ``.grad = None``, as in single-process training (docs/frozen.md).
+            # One node per output (why: _Entry): an output the loss ignores leaves the unit out of the graph.
             hooked = [_PreBackward.apply(self, t) for t in needing]
             entry.pre = [weakref.ref(t.grad_fn) for t in hooked]
             replacement = {id(old): new for old, new in zip(needing, hooked, strict=True)}
@@ -487,15 +499,24 @@ def lazy_init(root: ShardState) -> None:
     logger.debug("lazy init: root %s with %d units", root.unit.owner_name, len(states))
 
 
-def _wrap_inputs(state: ShardState, args: tuple[Any, ...], kwargs: dict[str, Any], entry: _Entry) -> tuple[Any, Any]:
+def _wrap_inputs(
+    state: ShardState, args: tuple[Any, ...], kwargs: dict[str, Any], entry: _Entry, *, per_input: bool = True
+) -> tuple[Any, Any]:
+    """``per_input=False``: one node over all inputs (a reentrant checkpoint's recompute, which begins after the
+    backward asked which nodes it runs: its one node ends the call)."""
     needing = _unique(t for t in tensors_in((args, kwargs)) if t.requires_grad)
     if not needing or torch._C._are_functorch_transforms_active():
         # Nothing to hook, or a torch.func transform is active: an autograd Function without setup_context raises
         # there, on the transform's own wrapped inputs and on plain ones captured from outside it alike. The final
         # callback finishes this call.
         return args, kwargs
-    wrapped = _PostBackward.apply(state, *needing)
-    entry.post = weakref.ref(wrapped[0].grad_fn)
+    if per_input:  # one node per input (why: _Entry)
+        wrapped = [_PostBackward.apply(state, entry, t)[0] for t in needing]
+        entry.post = [weakref.ref(t.grad_fn) for t in wrapped]
+    else:
+        wrapped = list(_PostBackward.apply(state, entry, *needing))
+        entry.post = [weakref.ref(wrapped[0].grad_fn)]
+    entry.posts_left = len(entry.post)  # until a backward asks which of them it runs
     replacement = {id(old): new for old, new in zip(needing, wrapped, strict=True)}
     new_args, new_kwargs = map_tensors(lambda t: replacement.get(id(t), t), (args, kwargs))
     return new_args, new_kwargs

@@ -30,6 +30,7 @@ from .meshes import (
     post_forward_group_for,
     reshard_after_forward_setting,
     spmd_param_placing,
+    spmd_sharded_mesh,
 )
 from .offload import check_offload_policy
 from .policies import (
@@ -146,8 +147,9 @@ def fully_shard(
     )
     if dims is not None:
         assert spmd_mesh is not None
+        sharded_mesh = spmd_sharded_mesh(spmd_mesh, dims, mesh)  # one mesh for every parameter of the unit
         placings = [
-            spmd_param_placing(fqn, p, spmd_mesh, dims, owner_name, dim)
+            spmd_param_placing(fqn, p, spmd_mesh, dims, owner_name, dim, sharded_mesh)
             for (fqn, p, _), dim in zip(params, shard_dims, strict=True)
         ]
     else:

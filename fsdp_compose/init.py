@@ -500,7 +500,7 @@ def _check_params(
             )
         elif is_tensor_subclass(local) and param.ndim > 0:
             # Accepted, as by torch's fully_shard: it is sharded its own way, the hooks may be attached to its local
-            # shard before the first gather (else it then trains as a plain parameter: ShardedUnit._read_hooks). So
+            # shard before the first gather (else it then trains as a plain parameter: FlatShard.read_hooks). So
             # it must be shardable as a protocol parameter.
             check_subclass_param(fqn, param, owner_name, dim, hooks_required=False)
     return dims

@@ -23,7 +23,7 @@ The unit's other parameters and these inputs go in one all-gather (see ``gather_
 communicates except what a pre-hook does itself (float8's dynamic scale all-reduces its amax over ``mesh``).
 
 Like torch's ``fully_shard``, which reads the hooks again at its lazy init ("allow monkey patch after init"), a unit
-reads them once more just before its first all-gather (``ShardedUnit.adopt_if_changed``): hooks attached to a local
+reads them once more just before its first all-gather (``FlatShard.read_hooks``): hooks attached to a local
 shard after ``fully_shard`` are used, and a tensor subclass without hooks at ``fully_shard`` (sharded its own way
 until then) becomes a protocol parameter if it has them by then, else a plain parameter of the flat buffer.
 """
@@ -130,6 +130,8 @@ def check_hooks_added(
     settings cannot serve: the checks ``fully_shard`` makes on protocol parameters."""
     fqns = ", ".join(repr(fqn) for fqn, _, _, _ in added[:4])
     what = f"FSDP2's all-gather hooks attached after fully_shard to {fqns}"
+    if not added:
+        return
     for fqn, local, dim, spmd in added:
         if spmd:
             raise NotImplementedError(

@@ -17,6 +17,7 @@ re-lay out the shards and rebuild the gradient side); moving a tied parameter ou
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, cast
@@ -73,7 +74,6 @@ class ShardedUnit:
         self.grads = UnitGradients(self._reduce_spec(), self.params)
         # Set by the step context (step.py): told after each full parameter's gradient is made, during backward.
         self.on_gradient: Callable[[ManagedParam], None] | None = None
-        self.hooks_read = False  # FSDP2's all-gather hooks read again before the first gather (``_read_hooks``)
         # What a protocol parameter's hooks receive (torch's policy class); fully_shard sets the whole policy
         self._attach_gather(torch_fsdp.MixedPrecisionPolicy(param_dtype, reduce_dtype))
 
@@ -242,8 +242,8 @@ class ShardedUnit:
         every step, before anything picks a compute dtype from the parameters' dtype, and before each gather."""
         if self.state is not UnitState.SHARDED:
             return
-        if not self.hooks_read:
-            self._read_hooks()
+        if self.shards.defer_hookless:  # FSDP2's all-gather hooks: read again before the first gather (torch too)
+            self.shards.read_hooks(_added_hooks_check(self))
         if self.shards.views_intact():
             return
         before = self.shards.dtype
@@ -255,40 +255,6 @@ class ShardedUnit:
                     "no-sync gradients are pending; cast the model between optimizer steps"
                 )
             self.grads = _rebuilt_gradients(self.grads, self._reduce_spec(), self.params)
-
-    def _read_hooks(self) -> None:
-        """Read FSDP2's all-gather hooks on the local shards once more, before the first gather, as torch's lazy init
-        does ("allow monkey patch after init"): a plain parameter whose local shard got ``fsdp_pre_all_gather`` /
-        ``fsdp_post_all_gather`` since ``fully_shard`` (e.g. after ``to_empty``) becomes a protocol parameter; a tensor
-        subclass that still has none trains as a plain parameter of the flat buffer (its shard copied in with
-        ``copy_``, as torch's all-gather copy-in does; its class is dropped). Raises, changing nothing, where the
-        unit's settings cannot serve the hooks. Re-layouts only here: later re-adoptions read the hooks anyway."""
-        changed = self.shards.hooks_changed()
-        added = [mp for mp in changed if mp.subclass is None]
-        if added:
-            check_hooks_added(
-                self.owner_name,
-                [
-                    (mp.fqn, mp.sharded._local_tensor, mp.placing.shard_dim, mp.placing.tp_mesh is not None)
-                    for mp in added
-                ],
-                mesh=self.dp.mesh,
-                offloaded=self.devices.offloaded,
-                all_gather_extension=self.extensions.all_gather is not None,
-                group_reshard=self.post_forward is not None,
-            )
-        hookless = [mp.fqn for mp in changed if mp.subclass is not None]
-        if hookless:
-            logger.warning(
-                "%s: tensor-subclass parameter(s) %s got no fsdp_pre_all_gather / fsdp_post_all_gather hooks before "
-                "the first all-gather; they train as plain parameters (their shards copied into the flat buffer)",
-                self.owner_name,
-                ", ".join(hookless[:4]),
-            )
-        self.shards.defer_hookless = False
-        if changed:
-            self.shards.reinstall([mp.sharded._local_tensor for mp in self.params], are_full=False)
-        self.hooks_read = True
 
     def has_pending_full_grads(self) -> bool:
         """Full-size ``.grad`` left on full parameters (none between steps: they move into the gradient buffer)."""
@@ -373,6 +339,19 @@ class ShardedUnit:
         new.grads = UnitGradients(new._reduce_spec(), new.params)
         _carry_settings(self.grads, new.grads)
         return new
+
+
+def _added_hooks_check(unit: ShardedUnit) -> Callable[[list[tuple[str, torch.Tensor, int, bool]]], None]:
+    """``fully_shard``'s checks on protocol parameters under ``unit``'s settings, for hooks attached to local shards
+    since (``subclass_params.check_hooks_added``)."""
+    return functools.partial(
+        check_hooks_added,
+        unit.owner_name,
+        mesh=unit.dp.mesh,
+        offloaded=unit.devices.offloaded,
+        all_gather_extension=unit.extensions.all_gather is not None,
+        group_reshard=unit.post_forward is not None,
+    )
 
 
 def _carry_settings(old: UnitGradients, new: UnitGradients) -> None:

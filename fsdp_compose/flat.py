@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -32,7 +32,7 @@ from .meshes import DataParallelMesh, ParamPlacing
 from .offload import UnitDevices
 from .replaced import ReplacedParams
 from .sharding import FlatLayout, local_rows
-from .subclass_params import SubclassShard, has_fsdp_hooks, shard_subclass
+from .subclass_params import SubclassShard, carry_instance_hooks, has_fsdp_hooks, is_tensor_subclass, shard_subclass
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +187,10 @@ class FlatShard:
         self.devices = devices
         self.owner_name = owner_name
         self.frozen_params = frozen_params
+        # True until ``read_hooks`` reads FSDP2's all-gather hooks again, before the unit's first gather: until then
+        # a tensor subclass without them is sharded its own way, as a protocol parameter (hooks may be attached to
+        # its local shard until then, as torch's fully_shard allows).
+        self.defer_hookless = True
         # The parameters' own dtype (the first sharded plain parameter's; a unit may hold several, see ``groups``):
         # sharded parameters, their gradients and the optimizer state stay in their own dtypes.
         self.dtype: torch.dtype = _primary_dtype([p for _, p, _ in params])
@@ -209,6 +213,47 @@ class FlatShard:
             setattr(p, MOVED_ATTR, owner_name)
         originals = [(mp.fqn, mp.original) for mp in self.params if mp.original is not None]
         self.replaced = ReplacedParams(owner_name, originals)
+
+    def uses_protocol(self, value: torch.Tensor) -> bool:
+        """Is ``value`` (a parameter's local tensor) sharded as a protocol parameter (subclass_params.py)?"""
+        return has_fsdp_hooks(value) or (self.defer_hookless and is_tensor_subclass(value))
+
+    def hooks_changed(self) -> list[ManagedParam]:
+        """Sharded parameters whose local shard's hooks no longer match how they are sharded: hooks attached after
+        ``fully_shard`` to a plain one, or a tensor subclass still without them."""
+        return [
+            mp
+            for mp in self.params
+            if mp.slot is not None and (mp.subclass is not None) != has_fsdp_hooks(mp.sharded._local_tensor)
+        ]
+
+    def read_hooks(self, check_added: Callable[[list[tuple[str, torch.Tensor, int, bool]]], None]) -> None:
+        """Read FSDP2's all-gather hooks on the local shards once more, before the unit's first gather, as torch's lazy
+        init does ("allow monkey patch after init"): a plain parameter whose local shard got ``fsdp_pre_all_gather``
+        / ``fsdp_post_all_gather`` since ``fully_shard`` (e.g. after ``to_empty``) becomes a protocol parameter; a
+        tensor subclass that still has none trains as a plain parameter of the flat buffer (its shard copied in with
+        ``copy_``, as torch's all-gather copy-in does; its class is dropped). ``check_added`` raises, before anything
+        changes, for added hooks the unit's settings cannot serve (``subclass_params.check_hooks_added``). Later
+        re-adoptions read the hooks anyway (``_build``)."""
+        changed = self.hooks_changed()
+        check_added(
+            [
+                (mp.fqn, mp.sharded._local_tensor, mp.placing.shard_dim, mp.placing.tp_mesh is not None)
+                for mp in changed
+                if mp.subclass is None
+            ]
+        )
+        hookless = [mp.fqn for mp in changed if mp.subclass is not None]
+        if hookless:
+            logger.warning(
+                "%s: tensor-subclass parameter(s) %s got no fsdp_pre_all_gather / fsdp_post_all_gather hooks before "
+                "the first all-gather; they train as plain parameters (their shards copied into the flat buffer)",
+                self.owner_name,
+                ", ".join(hookless[:4]),
+            )
+        self.defer_hookless = False
+        if changed:
+            self.reinstall([mp.sharded._local_tensor for mp in self.params], are_full=False)
 
     def kept_whole(self, ndim: int, trainable: bool, protocol: bool = False) -> bool:
         """Whether a parameter is kept whole on every rank (a protocol parameter is always sharded its own way)."""
@@ -237,8 +282,8 @@ class FlatShard:
         Returns the new parameters, their slots and (group, protocol state) per parameter.
         """
         sharded = [i for i, w in enumerate(whole) if not w]
-        protocol = [i for i in sharded if has_fsdp_hooks(values[i])]
-        plain = [i for i in sharded if not has_fsdp_hooks(values[i])]
+        protocol = [i for i in sharded if self.uses_protocol(values[i])]
+        plain = [i for i in sharded if not self.uses_protocol(values[i])]
         order = sorted({values[i].dtype for i in plain}, key=lambda d: (d != self.dtype, str(d)))
         on_meta = any(v.is_meta for v in values)
         self.groups = []
@@ -289,6 +334,9 @@ class FlatShard:
                     local, placing.spmd_mesh, placements, placing.global_shape, placing.global_stride, requires_grad[i]
                 )
             )
+            if subclass is not None:
+                # Hooks attached to the local shard this one replaces (nn.Parameter made a new local tensor)
+                carry_instance_hooks(value, news[-1]._local_tensor)
         return news, slots, storage
 
     def _installed(self, mp: ManagedParam) -> None:

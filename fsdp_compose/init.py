@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -31,6 +30,7 @@ from .meshes import (
     post_forward_group_for,
     reshard_after_forward_setting,
     spmd_param_placing,
+    spmd_sharded_mesh,
 )
 from .offload import check_offload_policy
 from .policies import (
@@ -44,7 +44,7 @@ from .policies import (
 )
 from .state import STATE_ATTR, ShardState, states_under
 from .step import StepContext
-from .subclass_params import check_subclass_param, has_fsdp_hooks
+from .subclass_params import check_subclass_param, has_fsdp_hooks, is_tensor_subclass
 from .unit import ShardedUnit
 
 logger = logging.getLogger(__name__)
@@ -147,8 +147,9 @@ def fully_shard(
     )
     if dims is not None:
         assert spmd_mesh is not None
+        sharded_mesh = spmd_sharded_mesh(spmd_mesh, dims, mesh)  # one mesh for every parameter of the unit
         placings = [
-            spmd_param_placing(fqn, p, spmd_mesh, dims, owner_name, dim)
+            spmd_param_placing(fqn, p, spmd_mesh, dims, owner_name, dim, sharded_mesh)
             for (fqn, p, _), dim in zip(params, shard_dims, strict=True)
         ]
     else:
@@ -490,13 +491,18 @@ def _check_params(
         local = param._local_tensor if isinstance(param, DTensor) else param
         if has_fsdp_hooks(local):
             check_subclass_param(fqn, param, owner_name, dim)
-        elif type(local) not in (torch.Tensor, nn.Parameter) and not isinstance(local, FakeTensor):
-            # (a FakeTensor stands for a plain tensor: the planner's simulated step, torch.compile's tracing)
+        elif is_tensor_subclass(local) and isinstance(param, DTensor):
             raise TypeError(
-                f"parameter '{fqn}' of {owner_name} is a {type(local).__name__}, a tensor subclass without FSDP2's "
-                "all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather): copied into a flat buffer it would "
-                "lose its class; implement the hooks (docs/subclasses.md), or pass it in ignored_params"
+                f"parameter '{fqn}' of {owner_name} is a DTensor (tensor parallel) over a {type(local).__name__}, a "
+                "tensor subclass without FSDP2's all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather); "
+                "fsdp_compose shards such a subclass only as a plain (non-DTensor) parameter: apply tensor "
+                "parallelism without the subclass, or pass it in ignored_params"
             )
+        elif is_tensor_subclass(local) and param.ndim > 0:
+            # Accepted, as by torch's fully_shard: it is sharded its own way, the hooks may be attached to its local
+            # shard before the first gather (else it then trains as a plain parameter: FlatShard.read_hooks). So
+            # it must be shardable as a protocol parameter.
+            check_subclass_param(fqn, param, owner_name, dim, hooks_required=False)
     return dims
 
 
@@ -511,7 +517,9 @@ def _check_unit_kind(
     dp_mesh_dims: object,
 ) -> None:
     """Raise for settings a unit of several dtypes, or with protocol parameters, cannot combine with."""
-    protocol = [fqn for fqn, p, _ in params if has_fsdp_hooks(p._local_tensor if isinstance(p, DTensor) else p)]
+    # a tensor subclass without the hooks counts: they may be attached before the first gather
+    locals_ = [(fqn, p._local_tensor if isinstance(p, DTensor) else p) for fqn, p, _ in params]
+    protocol = [fqn for fqn, t in locals_ if has_fsdp_hooks(t) or (t.ndim > 0 and is_tensor_subclass(t))]
     dtypes = {p.dtype for _, p, _ in params if p.ndim > 0}
     if not protocol and len(dtypes) <= 1:
         return

@@ -48,6 +48,7 @@ __all__ = [
     "reduce_scatter_group",
     "reshard_after_forward_setting",
     "spmd_param_placing",
+    "spmd_sharded_mesh",
 ]
 
 
@@ -123,10 +124,13 @@ def dp_mesh_from_dims(mesh: DeviceMesh, dims: DataParallelMeshDims, owner: str) 
             raise ValueError(f"fully_shard on {owner}: dp_mesh_dims names mesh dim {name!r}, not in mesh dims {names}")
     if len(set(shard + replicate)) != len(shard + replicate):
         raise ValueError(f"fully_shard on {owner}: dp_mesh_dims names a mesh dim twice: {dims}")
-    if len(shard) > 1:
+    positions = [names.index(name) for name in shard]
+    if positions and positions != list(range(positions[0], positions[0] + len(positions))):
+        # The sharded parameters' mesh puts the flattened shard dims where the first of them was (torch's layout):
+        # they must be neighbours, in mesh order, for that mesh to keep the others' order.
         raise NotImplementedError(
-            f"fully_shard on {owner}: dp_mesh_dims with several shard dims {shard} is not supported; flatten them "
-            f'into one named dim first (mesh[{shard}]._flatten("{"_".join(shard)}")) and name that one'
+            f"fully_shard on {owner}: dp_mesh_dims shard dims {shard} must be adjacent dims of the mesh {names}, in "
+            "its order; reorder them, or build the mesh with them next to each other"
         )
 
     def one_dim(role: tuple[str, ...]) -> DeviceMesh:
@@ -161,14 +165,37 @@ def _check_composable_dtensor(fqn: str, param: DTensor, owner: str, what: str, z
         raise ValueError(f"parameter '{fqn}' of {owner} is a 0-dim DTensor; {zero_dim_fix}")
 
 
+def spmd_sharded_mesh(mesh: DeviceMesh, dims: DataParallelMeshDims, dp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of the sharded parameters under ``dp_mesh_dims`` (torch's ``_build_spmd_sharding_spec``): ``mesh``
+    itself for one shard dim; for several, the data-parallel mesh ``dp_mesh`` (the shard dims flattened into one,
+    after the flattened replicate dims for HSDP) where the first shard dim was, then the other non-data-parallel
+    dims in order."""
+    if len(dims.shard_names) <= 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    assert names is not None  # checked by dp_mesh_from_dims
+    data_parallel = set(dims.shard_names + dims.replicate_names)
+    first = dims.shard_names[0]
+    parts = [dp_mesh if name == first else mesh[name] for name in names if name == first or name not in data_parallel]
+    return parts[0] if len(parts) == 1 else DeviceMesh._concatenate(parts)
+
+
 def spmd_param_placing(
-    fqn: str, param: nn.Parameter, mesh: DeviceMesh, dims: DataParallelMeshDims, owner: str, shard_dim: int = 0
+    fqn: str,
+    param: nn.Parameter,
+    mesh: DeviceMesh,
+    dims: DataParallelMeshDims,
+    owner: str,
+    shard_dim: int = 0,
+    sharded_mesh: DeviceMesh | None = None,
 ) -> ParamPlacing:
     """With ``dp_mesh_dims``: the placing of a DTensor parameter on the full SPMD ``mesh``, which it keeps.
 
     Forward sees the parameter on ``mesh`` with its own placements (``Replicate()`` on the data-parallel dims); the
     sharded parameter replaces that ``Replicate()`` by ``Shard(0)`` on the shard dim, as torch's ``fully_shard`` does.
-    Raises (nothing changed) unless ``param`` is a DTensor on ``mesh`` replicated on every data-parallel dim."""
+    With several shard dims it lives on ``sharded_mesh`` (``spmd_sharded_mesh``): their rows are chunked over the
+    flattened shard group. Raises (nothing changed) unless ``param`` is a DTensor on ``mesh`` replicated on every
+    data-parallel dim."""
     if not isinstance(param, DTensor):
         raise ValueError(
             f"fully_shard on {owner} with dp_mesh_dims: parameter '{fqn}' is a plain tensor; every parameter must be "
@@ -191,13 +218,13 @@ def spmd_param_placing(
             )
     _check_composable_dtensor(fqn, param, owner, "placement", "keep it a plain tensor or a buffer")
     positions = tuple((names.index(n), "replicate") for n in dims.replicate_names)
-    if dims.shard_names:  # replicate= only: the parameter is whole on every data-parallel dim
-        positions += ((names.index(dims.shard_names[0]), "shard"),)
+    # every shard dim (none with replicate= only: the parameter is whole on every data-parallel dim)
+    positions += tuple((names.index(n), "shard") for n in dims.shard_names)
     return ParamPlacing(
         param.shape,
         tuple(param.stride()),
         param.to_local().shape,
-        mesh,
+        sharded_mesh if sharded_mesh is not None else mesh,
         mesh,
         tuple(param.placements),
         shard_dim=shard_dim,
@@ -289,9 +316,10 @@ class ParamPlacing:
     tp_mesh: DeviceMesh | None
     tp_placements: tuple[Placement, ...]
     shard_dim: int = 0  # the dim FSDP shards (``shard_placement_fn``), normalized: 0 <= shard_dim < ndim
-    # With dp_mesh_dims: (position in spmd_mesh, "replicate" | "shard") of each data-parallel dim. The parameter then
-    # lives on the full mesh (tp_mesh == spmd_mesh, tp_placements with Replicate() there) and the data-parallel
-    # placements go at these positions instead of in front.
+    # With dp_mesh_dims: (position in the full mesh, "replicate" | "shard") of each data-parallel dim. The parameter
+    # then lives on the full mesh (tp_mesh == spmd_mesh, tp_placements with Replicate() there) and the data-parallel
+    # placements go at these positions instead of in front; with several shard dims the sharded parameter lives on
+    # the flattened mesh instead (spmd_mesh, see ``spmd_sharded_mesh``).
     dp_positions: tuple[tuple[int, str], ...] = ()
 
     @property
@@ -316,6 +344,18 @@ class ParamPlacing:
         """The sharded parameter's placements on ``spmd_mesh`` from the data-parallel ones ((replicate,) shard)."""
         if not self.dp_positions:
             return (*dp_placements, *self.tp_placements)
+        shard_positions = [position for position, role in self.dp_positions if role == "shard"]
+        if len(shard_positions) > 1:
+            # Several shard dims (``spmd_sharded_mesh``): the data-parallel placements in one block where the first
+            # shard dim was, on the flattened data-parallel mesh; the other data-parallel dims are not in that mesh.
+            dropped = self.dp_dims
+            placements: list[Placement] = []
+            for position, placement in enumerate(self.tp_placements):
+                if position == shard_positions[0]:
+                    placements.extend(dp_placements)
+                elif position not in dropped:
+                    placements.append(placement)
+            return tuple(placements)
         merged = list(self.tp_placements)
         shard = dp_placements[-1]
         for position, role in self.dp_positions:

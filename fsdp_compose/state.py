@@ -78,18 +78,26 @@ def states_under(module: nn.Module) -> list[ShardState]:
 class _Entry:
     """One forward call of one of a unit's modules whose outputs need gradients: what its backward will run.
 
-    It holds the two autograd nodes the unit added around the call weakly (a forward nobody runs backward for frees
-    its graph as usual): ``pre`` on the outputs (its backward is the unit's pre-backward) and ``post`` on the inputs
-    (its backward runs once the unit's backward is done). Autograd tells, at the start of a backward, whether it will
-    run each of them: that is how a rank knows which units a backward uses before it uses them.
+    It holds the autograd nodes the unit added around the call weakly (a forward nobody runs backward for frees
+    its graph as usual): ``pre``, one per output that needs grad (its backward is the unit's pre-backward), and
+    ``post``, one per input that needs grad (once the last of them this backward runs has run, the unit's backward
+    for this call is done). Autograd tells, at the start of a backward, whether it will run each of them: that is
+    how a rank knows which units a backward uses before it uses them.
+
+    One node per tensor, not one over all of them: a node with several outputs runs when any of them gets a gradient
+    and hands zeros for the others. An output the loss ignores (or an input the unit ignores) would then feed zero
+    gradients into the unit (or into what made the input), and autograd would count the parameters there as getting
+    gradients (the backward's agreement): they must keep ``.grad = None``, as in single-process training.
     """
 
-    __slots__ = ("always", "anchor", "grad_enabled", "inputs", "post", "pre", "seq")
+    __slots__ = ("always", "anchor", "grad_enabled", "inputs", "post", "posts_left", "pre", "seq")
 
     def __init__(self, seq: int = 0) -> None:
         self.seq = seq  # the root's count of calls in this step when this one began: forward order
-        self.pre: weakref.ref[Any] | None = None
-        self.post: weakref.ref[Any] | None = None
+        self.pre: list[weakref.ref[Any]] = []
+        self.post: list[weakref.ref[Any]] = []
+        # Input nodes still to run in this backward (set when the backward begins; the last one ends the call)
+        self.posts_left = 0
         self.always = False  # no node to ask (outputs under a torch.func transform): taken as run by a backward
         # A call under no_grad on inputs that need grad: a reentrant activation checkpoint's forward, whose backward
         # recomputes it inside the backward (see ``ShardState.recomputes_due``). Its inputs, weakly.
@@ -104,7 +112,7 @@ class _Entry:
             return self.anchor.alive()
         if self.inputs is not None:
             return any(ref() is not None for ref in self.inputs)
-        return self.always or (self.pre is not None and self.pre() is not None)
+        return self.always or any(ref() is not None for ref in self.pre)
 
     def runs_in_this_backward(self, running: object = None) -> bool:
         """``running``: the node whose backward is running now (autograd does not count a backward's own root
@@ -117,48 +125,65 @@ class _Entry:
         if self.inputs is not None:
             nodes = [gradient_node(t) for t in (ref() for ref in self.inputs) if t is not None]
             return any(n is running or bool(torch._C._will_engine_execute_node(n)) for n in nodes if n is not None)
-        node = self.pre() if self.pre is not None else None
-        return node is not None and (node is running or bool(torch._C._will_engine_execute_node(node)))
+        return any(node is running or bool(torch._C._will_engine_execute_node(node)) for node in self.pre_nodes())
+
+    def pre_nodes(self) -> list[Any]:
+        """The output nodes still alive (their graphs may run)."""
+        return [node for node in (ref() for ref in self.pre) if node is not None]
+
+    def outputs_pending(self) -> bool:
+        """Does an output of this call still await its backward? A backward that used some outputs only (``o1``'s
+        now, ``o2``'s in a later backward) leaves the call to the later one."""
+        return any(not getattr(node, "ran", False) for node in self.pre_nodes())
 
     def post_backward_runs(self) -> bool:
+        """Will this backward end the call (run an input node)? Counts the input nodes it runs (``posts_left``)."""
         if self.inputs is not None:
             return True  # its recompute wraps the inputs it runs on
-        node = self.post() if self.post is not None else None
-        return node is not None and bool(torch._C._will_engine_execute_node(node))
+        nodes = [node for node in (ref() for ref in self.post) if node is not None]
+        self.posts_left = sum(1 for node in nodes if torch._C._will_engine_execute_node(node))
+        return self.posts_left > 0
 
 
 class _PreBackward(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward runs before the unit's own: gather its parameters for it.
+    """Identity on one output of a unit whose backward runs before the unit's own: gather its parameters for it.
 
-    The outputs are detached aliases, not views, so a caller may still modify them in place."""
+    The output is a detached alias, not a view, so a caller may still modify it in place."""
 
     @staticmethod
-    def forward(ctx: Any, state: ShardState, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, state: ShardState, output: torch.Tensor) -> torch.Tensor:
         ctx.state = state
-        return tuple(t.detach() for t in outputs)
+        return output.detach()
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ctx.ran = True  # see _Entry.outputs_pending
         ctx.state.pre_backward(ctx)
-        return (None, *grads)
+        return None, grad
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's forward inputs whose backward runs once all their gradients are computed.
+    """Identity on a unit's forward inputs (one per node, see ``_Entry``) whose backward runs once their gradients
+    are computed.
 
-    By then the unit's own backward for this call is done (its ops consumed those inputs), so once every call's is,
-    its parameter gradients can be reduced and its full parameters freed — layer by layer, not at the end of backward.
+    Once the last input node of a call that this backward runs has run, the unit's own backward for the call is done
+    (its ops consumed those inputs), so once every call's is, its parameter gradients can be reduced and its full
+    parameters freed — layer by layer, not at the end of backward.
     """
 
     @staticmethod
-    def forward(ctx: Any, state: ShardState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, state: ShardState, entry: _Entry, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
+        ctx.entry = entry
         return tuple(t.detach() for t in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward()
-        return (None, *grads)
+        entry = ctx.entry
+        entry.posts_left -= 1
+        if entry.posts_left == 0:
+            ctx.state.post_backward()
+        return (None, None, *grads)
 
 
 class ShardState:
@@ -316,7 +341,7 @@ class ShardState:
             if self.recomputes_due and torch.is_grad_enabled():
                 # A reentrant checkpoint's recompute: its own backward follows, which ends this call's backward.
                 self.recomputes_due -= 1
-                args, kwargs = _wrap_inputs(self, args, kwargs, _Entry())
+                args, kwargs = _wrap_inputs(self, args, kwargs, _Entry(), per_input=False)
             return args, kwargs
         if self.root is None:
             lazy_init(self)
@@ -384,12 +409,15 @@ class ShardState:
         entry = calls.pop()
         self.active -= 1
         found = tensors_in(output) if torch.is_grad_enabled() else []
-        if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in found):
+        if torch._C._are_functorch_transforms_active():
+            # Inside torch.func.jvp / vmap / grad an autograd Function without setup_context raises, also on plain
+            # outputs (a unit called on a tensor captured from outside the transform): hook them instead.
             return _hook_transformed_outputs(self, found, entry, output)
         needing = _unique(t for t in found if t.requires_grad)
         if needing:
-            hooked = _PreBackward.apply(self, *needing)
-            entry.pre = weakref.ref(hooked[0].grad_fn)
+            # One node per output (why: _Entry): an output the loss ignores leaves the unit out of the graph.
+            hooked = [_PreBackward.apply(self, t) for t in needing]
+            entry.pre = [weakref.ref(t.grad_fn) for t in hooked]
             replacement = {id(old): new for old, new in zip(needing, hooked, strict=True)}
             output = map_tensors(lambda t: replacement.get(id(t), t), output)
             self.entries.append(entry)
@@ -478,12 +506,24 @@ def lazy_init(root: ShardState) -> None:
     logger.debug("lazy init: root %s with %d units", root.unit.owner_name, len(states))
 
 
-def _wrap_inputs(state: ShardState, args: tuple[Any, ...], kwargs: dict[str, Any], entry: _Entry) -> tuple[Any, Any]:
+def _wrap_inputs(
+    state: ShardState, args: tuple[Any, ...], kwargs: dict[str, Any], entry: _Entry, *, per_input: bool = True
+) -> tuple[Any, Any]:
+    """``per_input=False``: one node over all inputs (a reentrant checkpoint's recompute, which begins after the
+    backward asked which nodes it runs: its one node ends the call)."""
     needing = _unique(t for t in tensors_in((args, kwargs)) if t.requires_grad)
-    if not needing or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in needing):
-        return args, kwargs  # nothing to hook (or a torch.func transform): the final callback finishes this call
-    wrapped = _PostBackward.apply(state, *needing)
-    entry.post = weakref.ref(wrapped[0].grad_fn)
+    if not needing or torch._C._are_functorch_transforms_active():
+        # Nothing to hook, or a torch.func transform is active: an autograd Function without setup_context raises
+        # there, on the transform's own wrapped inputs and on plain ones captured from outside it alike. The final
+        # callback finishes this call.
+        return args, kwargs
+    if per_input:  # one node per input (why: _Entry)
+        wrapped = [_PostBackward.apply(state, entry, t)[0] for t in needing]
+        entry.post = [weakref.ref(t.grad_fn) for t in wrapped]
+    else:
+        wrapped = list(_PostBackward.apply(state, entry, *needing))
+        entry.post = [weakref.ref(wrapped[0].grad_fn)]
+    entry.posts_left = len(entry.post)  # until a backward asks which of them it runs
     replacement = {id(old): new for old, new in zip(needing, wrapped, strict=True)}
     new_args, new_kwargs = map_tensors(lambda t: replacement.get(id(t), t), (args, kwargs))
     return new_args, new_kwargs
@@ -503,9 +543,10 @@ def _note_recomputable(state: ShardState, entry: _Entry, args: tuple[Any, ...], 
 
 
 def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entry: _Entry, output: Any) -> Any:
-    """Outputs under a ``torch.func`` transform (``jvp``): an autograd Function cannot wrap them, so the plain
-    tensors under them (primal and tangent, whose backward both read the unit's parameters) get tensor hooks,
-    and the call counts as run by every backward until one runs (its reach cannot be asked)."""
+    """Outputs under a ``torch.func`` transform (``jvp``, ``vmap``, ``grad``): an autograd Function cannot wrap them,
+    so the plain tensors under them (primal and tangent, whose backward both read the unit's parameters; or the
+    outputs themselves when they are plain, computed from tensors captured from outside the transform) get tensor
+    hooks, and the call counts as run by every backward until one runs (its reach cannot be asked)."""
     plain = _unique(p for t in found for p in _autograd_tensors(t) if p.requires_grad)
     if plain:
         entry.always = True
@@ -523,7 +564,12 @@ def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entr
 def cast_inputs(
     state: ShardState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if dtype == state.unit.orig_dtype or not state.mp_policy.cast_forward_inputs:
+    """Cast floating inputs to ``param_dtype`` under torch's rule: whenever the policy names a ``param_dtype`` and
+    ``cast_forward_inputs`` is on, even when it equals the parameters' own dtype (an fp32 unit fed bf16 by an upstream
+    unit's ``output_dtype`` must compute in fp32). Not in a full-precision eval forward (``dtype`` is then the
+    parameters' own dtype, not the policy's): FSDP1's full-precision eval leaves the inputs alone too."""
+    policy_dtype = state.mp_policy.param_dtype
+    if policy_dtype is None or dtype != policy_dtype or not state.mp_policy.cast_forward_inputs:
         return args, kwargs
 
     def cast(leaf: torch.Tensor) -> torch.Tensor:

@@ -316,8 +316,8 @@ class StepContext:
                 state.kept_unsharded = keep and state.unit.state is UnitState.UNSHARDED
                 # The calls this backward ran are consumed; calls it did not run wait for a later backward (a
                 # chunked loss runs the head's backward once per chunk, then the body's).
-                state.ran += [e for e in state.entries if id(e) in bp.consumed]
-                state.entries = [e for e in state.entries if id(e) not in bp.consumed]
+                state.ran += [e for e in state.entries if id(e) in bp.consumed and not e.outputs_pending()]
+                state.entries = [e for e in state.entries if id(e) not in bp.consumed or e.outputs_pending()]
                 state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
             self.gradients_held = any(state.unit.grads.state is GradState.ACCUMULATING for state in self.states)
             self.draining = False
@@ -440,9 +440,7 @@ def _recomputes_inside(running_calls: dict[int, list[_Entry]]) -> bool:
         for entry in calls:
             if entry.inputs is not None or entry.anchor is not None:
                 return True
-            node = entry.pre() if entry.pre is not None else None
-            if node is not None:
-                stack.append(node)
+            stack.extend(entry.pre_nodes())
     seen: set[int] = set()
     while stack:
         node = stack.pop()

@@ -21,23 +21,42 @@ and every gather sends exactly what its pre-hook returns. The calls follow torch
 
 The unit's other parameters and these inputs go in one all-gather (see ``gather_plan.py``). Nothing here
 communicates except what a pre-hook does itself (float8's dynamic scale all-reduces its amax over ``mesh``).
+
+Like torch's ``fully_shard``, which reads the hooks again at its lazy init ("allow monkey patch after init"), a unit
+reads them once more just before its first all-gather (``FlatShard.read_hooks``): hooks attached to a local
+shard after ``fully_shard`` are used, and a tensor subclass without hooks at ``fully_shard`` (sharded its own way
+until then) becomes a protocol parameter if it has them by then, else a plain parameter of the flat buffer.
 """
 
 from __future__ import annotations
 
 import inspect
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .sharding import chunk_rows, padded_rows
 
-__all__ = ["SubclassShard", "check_subclass_param", "has_fsdp_hooks", "shard_mesh", "shard_subclass", "torch_mp_policy"]
+__all__ = [
+    "SubclassShard",
+    "carry_instance_hooks",
+    "check_hooks_added",
+    "check_subclass_param",
+    "has_fsdp_hooks",
+    "is_tensor_subclass",
+    "shard_mesh",
+    "shard_subclass",
+    "torch_mp_policy",
+]
+
+_HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 
 
 def has_fsdp_hooks(tensor: object) -> bool:
@@ -45,11 +64,22 @@ def has_fsdp_hooks(tensor: object) -> bool:
     return hasattr(tensor, "fsdp_pre_all_gather") or hasattr(tensor, "fsdp_post_all_gather")
 
 
-def check_subclass_param(fqn: str, param: torch.Tensor, owner_name: str, shard_dim: int) -> None:
-    """Raise (before ``fully_shard`` changes anything) for a protocol parameter this library cannot shard."""
+def is_tensor_subclass(tensor: torch.Tensor) -> bool:
+    """A tensor of a class other than ``torch.Tensor`` / ``nn.Parameter`` (a FakeTensor stands for a plain tensor:
+    the planner's simulated step, torch.compile's tracing)."""
+    return type(tensor) not in (torch.Tensor, nn.Parameter) and not isinstance(tensor, FakeTensor)
+
+
+def check_subclass_param(
+    fqn: str, param: torch.Tensor, owner_name: str, shard_dim: int, *, hooks_required: bool = True
+) -> None:
+    """Raise (before ``fully_shard`` changes anything) for a protocol parameter this library cannot shard.
+
+    ``hooks_required=False``: a tensor subclass without the hooks yet (they may be attached before the first
+    gather): the checks on its shape and placement only."""
     name = type(param._local_tensor if isinstance(param, DTensor) else param).__name__
     where = f"parameter '{fqn}' of {owner_name} ({name})"
-    if not (hasattr(param, "fsdp_pre_all_gather") and hasattr(param, "fsdp_post_all_gather")):
+    if hooks_required and not (hasattr(param, "fsdp_pre_all_gather") and hasattr(param, "fsdp_post_all_gather")):
         raise TypeError(
             f"{where} defines only one of fsdp_pre_all_gather / fsdp_post_all_gather; FSDP2's tensor-subclass "
             "protocol needs both (the pre-hook's outputs are what the all-gather sends, the post-hook builds the "
@@ -70,6 +100,8 @@ def check_subclass_param(fqn: str, param: torch.Tensor, owner_name: str, shard_d
         )
     if not param.is_contiguous():
         raise ValueError(f"{where} is not contiguous; FSDP2's protocol shards contiguous parameters")
+    if not hooks_required:
+        return
     pre = inspect.signature(param.fsdp_pre_all_gather)  # type: ignore[attr-defined]
     if len(pre.parameters) not in (1, 5):
         raise TypeError(
@@ -82,6 +114,60 @@ def check_subclass_param(fqn: str, param: torch.Tensor, owner_name: str, shard_d
             f"{where}: fsdp_post_all_gather{post} takes no out= argument; torch 2.13's protocol refills the "
             "unsharded parameter in place with fsdp_post_all_gather(outputs, metadata, param_dtype, out=param)"
         )
+
+
+def check_hooks_added(
+    owner_name: str,
+    added: list[tuple[str, torch.Tensor, int, bool]],
+    *,
+    mesh: DeviceMesh,
+    offloaded: bool,
+    all_gather_extension: bool,
+    group_reshard: bool,
+) -> None:
+    """Raise, before the unit changes, for hooks attached to local shards since ``fully_shard`` (``added``: fqn, local
+    shard, shard dim, whether the parameter is tensor parallel or placed with ``dp_mesh_dims``) that the unit's
+    settings cannot serve: the checks ``fully_shard`` makes on protocol parameters."""
+    fqns = ", ".join(repr(fqn) for fqn, _, _, _ in added[:4])
+    what = f"FSDP2's all-gather hooks attached after fully_shard to {fqns}"
+    if not added:
+        return
+    for fqn, local, dim, spmd in added:
+        if spmd:
+            raise NotImplementedError(
+                f"parameter '{fqn}' of {owner_name}: {what}; fsdp_compose supports the protocol on plain "
+                "parameters only (not tensor parallel, not dp_mesh_dims): attach them before sharding another way, or "
+                "shard this module with torch's fully_shard"
+            )
+        check_subclass_param(fqn, local, owner_name, dim)
+    if group_reshard:
+        raise NotImplementedError(
+            f"{owner_name}: {what}, with reshard_after_forward=<int> (a group size); use True or False"
+        )
+    if all_gather_extension:
+        raise NotImplementedError(
+            f"{owner_name}: {what}, with an all_gather extension (it encodes one flat buffer); drop one of them"
+        )
+    if offloaded:
+        raise NotImplementedError(f"{owner_name}: {what}, with CPU offload; use OffloadPolicy()")
+    if mesh.ndim > 1 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"{owner_name}: {what}, on a 2-D (HSDP) mesh without mesh_dim_names (their pre-hook receives the shard "
+            "dim's mesh); build the mesh with init_device_mesh(..., mesh_dim_names=...)"
+        )
+
+
+def carry_instance_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Hooks attached to the instance ``old`` (not its class), carried to ``new``, a copy of it that replaces it
+    as a parameter's local shard: a method bound to ``old`` is bound to ``new`` (its ``self`` is the shard it must
+    read); other callables are carried as they are."""
+    for name in _HOOKS:
+        hook = old.__dict__.get(name)
+        if hook is None:
+            continue
+        if isinstance(hook, types.MethodType) and hook.__self__ is old:
+            hook = types.MethodType(hook.__func__, new)
+        new.__dict__[name] = hook
 
 
 def shard_subclass(

@@ -17,6 +17,7 @@ re-lay out the shards and rebuild the gradient side); moving a tied parameter ou
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, cast
@@ -35,6 +36,7 @@ from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_sca
 from .offload import UnitDevices
 from .policies import OffloadPolicy
 from .sharding import FlatLayout
+from .subclass_params import check_hooks_added
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +240,11 @@ class ShardedUnit:
     def adopt_if_changed(self) -> None:
         """Pick up parameters replaced or cast since the last gather (see ``FlatShard.adopt``). Runs at the start of
         every step, before anything picks a compute dtype from the parameters' dtype, and before each gather."""
-        if self.state is not UnitState.SHARDED or self.shards.views_intact():
+        if self.state is not UnitState.SHARDED:
+            return
+        if self.shards.defer_hookless:  # FSDP2's all-gather hooks: read again before the first gather (torch too)
+            self.shards.read_hooks(_added_hooks_check(self))
+        if self.shards.views_intact():
             return
         before = self.shards.dtype
         self.shards.adopt()
@@ -333,6 +339,19 @@ class ShardedUnit:
         new.grads = UnitGradients(new._reduce_spec(), new.params)
         _carry_settings(self.grads, new.grads)
         return new
+
+
+def _added_hooks_check(unit: ShardedUnit) -> Callable[[list[tuple[str, torch.Tensor, int, bool]]], None]:
+    """``fully_shard``'s checks on protocol parameters under ``unit``'s settings, for hooks attached to local shards
+    since (``subclass_params.check_hooks_added``)."""
+    return functools.partial(
+        check_hooks_added,
+        unit.owner_name,
+        mesh=unit.dp.mesh,
+        offloaded=unit.devices.offloaded,
+        all_gather_extension=unit.extensions.all_gather is not None,
+        group_reshard=unit.post_forward is not None,
+    )
 
 
 def _carry_settings(old: UnitGradients, new: UnitGradients) -> None:

@@ -9,6 +9,7 @@ It follows the pattern of torchao's ``WeightWithDynamicFloat8CastTensor``: a wra
 
 from __future__ import annotations
 
+import types
 from collections import Counter
 from typing import Any
 
@@ -79,35 +80,47 @@ class PreHookOnly(Wrapper):
         return (self._tensor,), None
 
 
+def int8_pre_all_gather(
+    self: torch.Tensor, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any, mp_policy: Any
+) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """The int8 pre-hook on any shard ``self`` (an ``Int8Weight``, or a plain tensor it was attached to)."""
+    calls["pre"] += 1
+    seen_args.append((mesh, tuple(outer_size), tuple(outer_stride), type(module).__name__, mp_policy))
+    w = self._tensor.detach() if isinstance(self, Wrapper) else self.detach()
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127.0
+    data = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return (data, scale), None
+
+
+def int8_post_all_gather(
+    self: torch.Tensor,
+    outputs: tuple[torch.Tensor, ...],
+    metadata: Any,
+    param_dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+    data, scale = outputs
+    if out is not None:
+        calls["post_out"] += 1
+        out.data.copy_(data.to(param_dtype) * scale.to(param_dtype))
+        return None
+    calls["post"] += 1
+    value = data.to(param_dtype) * scale.to(param_dtype)
+    return value, (value,)
+
+
 class Int8Weight(Wrapper):
     """fp32 master weight; all-gathered as int8 + per-row fp32 scale."""
 
-    def fsdp_pre_all_gather(
-        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any, mp_policy: Any
-    ) -> tuple[tuple[torch.Tensor, ...], Any]:
-        calls["pre"] += 1
-        seen_args.append((mesh, tuple(outer_size), tuple(outer_stride), type(module).__name__, mp_policy))
-        w = self._tensor.detach()
-        scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127.0
-        data = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
-        return (data, scale), None
+    fsdp_pre_all_gather = int8_pre_all_gather
+    fsdp_post_all_gather = int8_post_all_gather
 
-    def fsdp_post_all_gather(
-        self,
-        outputs: tuple[torch.Tensor, ...],
-        metadata: Any,
-        param_dtype: torch.dtype,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        data, scale = outputs
-        if out is not None:
-            calls["post_out"] += 1
-            out.data.copy_(data.to(param_dtype) * scale.to(param_dtype))
-            return None
-        calls["post"] += 1
-        value = data.to(param_dtype) * scale.to(param_dtype)
-        return value, (value,)
+
+def attach_int8_hooks(local: torch.Tensor) -> None:
+    """The int8 hooks attached to one tensor (a parameter's local shard), as torch's monkey-patch test does."""
+    local.fsdp_pre_all_gather = types.MethodType(int8_pre_all_gather, local)  # type: ignore[attr-defined]
+    local.fsdp_post_all_gather = types.MethodType(int8_post_all_gather, local)  # type: ignore[attr-defined]
 
 
 def int8_linears(module: torch.nn.Module) -> None:

@@ -330,3 +330,123 @@ def test_branch_unused_on_some_ranks_completes_with_parity(run_dist, ws: int) ->
     for diff, grads_set in run_dist(ws, _unused_branch):
         assert diff <= 1e-5
         assert all(grads_set)  # every parameter was used on some rank, so every rank holds its gradient shard
+
+
+# ----------------------------------------------------------------------------------------------- unused outputs
+class _TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin1(x).relu(), self.lin2(x).relu()
+
+
+def _backward_step(step: int, o1: torch.Tensor, o2: torch.Tensor) -> None:
+    """Which outputs the loss uses: both; the first only (lin2 gets no gradient anywhere); each in its own
+    backward (accumulated); the first only again."""
+    if step == 0:
+        (o1 * o2).mean().backward()
+    elif step == 2:
+        o1.mean().backward()
+        o2.mean().backward()
+    else:
+        o1.mean().backward()
+
+
+def _unused_output(rank: int, ws: int, lin2_unit: bool) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    reference = _TwoOutputs()
+    models: dict[str, nn.Module] = {"reference": reference}
+    mesh = mesh_1d(ws)
+    for name, shard in (("ours", fc.fully_shard), ("torch", torch_fully_shard)):
+        model = models[name] = copy.deepcopy(reference)
+        shard(model.lin1, mesh=mesh)
+        if lin2_unit:
+            shard(model.lin2, mesh=mesh)  # a non-root unit whose forward ran with grad, its output then unused
+        shard(model, mesh=mesh)
+    opts = {name: torch.optim.Adam(m.parameters(), lr=1e-2) for name, m in models.items()}
+    grads_none: dict[str, list[list[bool]]] = {name: [] for name in models}
+    for step in range(4):
+        x = torch.rand(2 * ws, 8, generator=torch.Generator().manual_seed(step))
+        for name, model in models.items():
+            o1, o2 = model(x if name == "reference" else local_batch(x, rank, ws))
+            _backward_step(step, o1, o2)
+            grads_none[name].append([p.grad is None for p in model.parameters()])
+            opts[name].step()  # Adam moves a parameter with a zero .grad (momentum), skips one whose .grad is None
+            opts[name].zero_grad(set_to_none=True)
+    return {
+        "grads_none": grads_none,
+        "ours": max_param_diff(models["ours"], reference),
+        "torch": max_param_diff(models["torch"], reference),
+    }
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("lin2_unit", [False, True], ids=["lin2_in_root", "lin2_own_unit"])
+def test_unit_output_the_loss_ignores_keeps_grad_none(run_dist, ws: int, lin2_unit: bool) -> None:
+    """A unit ran forward with grad, the loss ignored its output: its parameters keep ``.grad = None`` on every rank
+    (docs/frozen.md), as in single-process training and torch's fully_shard, so Adam skips them. Before the fix one
+    autograd node over all of a unit's outputs handed the unused one a zero gradient: a zero ``.grad``, and Adam
+    moved lin2 by its momentum (6.7e-3 off the reference)."""
+    for r in run_dist(ws, _unused_output, lin2_unit):
+        expected = [[False] * 4, [False, False, True, True], [False] * 4, [False, False, True, True]]
+        assert r["grads_none"]["reference"] == expected
+        assert r["grads_none"]["ours"] == expected and r["grads_none"]["torch"] == expected
+        assert r["ours"] <= 1e-6 and r["torch"] <= 1e-6, r
+
+
+class _IgnoresInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.lin(a + b if use_b else a)
+
+
+class _TwoProducers(nn.Module):
+    """``u`` takes what ``a`` and ``b`` made; on some steps it ignores ``b``'s output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.u = nn.Linear(8, 8), nn.Linear(8, 8), _IgnoresInput()
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.u(self.a(x), self.b(x), use_b)
+
+
+def _unused_input(rank: int, ws: int, b_unit: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    reference = _TwoProducers()
+    model = copy.deepcopy(reference)
+    mesh = mesh_1d(ws)
+    fc.fully_shard(model.u, mesh=mesh)
+    if b_unit:
+        fc.fully_shard(model.b, mesh=mesh)
+    fc.fully_shard(model, mesh=mesh)
+    models = {"ours": model, "reference": reference}
+    opts = {name: torch.optim.Adam(m.parameters(), lr=1e-2) for name, m in models.items()}
+    grads_none: dict[str, list[list[bool]]] = {name: [] for name in models}
+    for step in range(3):
+        x = torch.rand(2 * ws, 8, generator=torch.Generator().manual_seed(step))
+        for name, m in models.items():
+            m(x if name == "reference" else local_batch(x, rank, ws), step != 1).pow(2).mean().backward()
+            grads_none[name].append([p.grad is None for p in m.parameters()])
+            opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+    return {"grads_none": grads_none, "diff": max_param_diff(model, reference)}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("b_unit", [False, True], ids=["b_in_root", "b_own_unit"])
+def test_unit_input_the_unit_ignores_keeps_its_producers_grad_none(run_dist, ws: int, b_unit: bool) -> None:
+    """A unit ignores one of its inputs that needs grad: what made it keeps ``.grad = None``, as in single-process
+    training (torch's fully_shard hands it a zero gradient: one autograd node over all of a unit's inputs)."""
+    for r in run_dist(ws, _unused_input, b_unit):
+        expected = [[False] * 6, [False, False, True, True, False, False], [False] * 6]
+        assert r["grads_none"]["reference"] == expected
+        assert r["grads_none"]["ours"] == expected
+        assert r["diff"] <= 1e-6, r

@@ -105,11 +105,11 @@ def _spmd_loss(model: nn.Module, mesh: Any, dp_dims: tuple[str, ...], x: torch.T
     return ((model(dx) - dy) ** 2).mean()
 
 
-def _dp_mesh_dims(rank: int, ws: int, shape: tuple[int, int], names: tuple[str, str], kw: dict[str, str]) -> Any:
+def _dp_mesh_dims(rank: int, ws: int, shape: tuple[int, int], names: tuple[str, str], kw: dict[str, Any]) -> Any:
     mesh = mesh_nd(shape, names)
-    tp = [n for n in names if n not in kw.values()]
+    dp_dims = tuple(n for value in kw.values() for n in ((value,) if isinstance(value, str) else value))
+    tp = [n for n in names if n not in dp_dims]
     tp_dim = tp[0] if tp else None
-    dp_dims = tuple(kw.values())
     models = []
     for shard, dims in (
         (torch_fsdp.fully_shard, torch_fsdp.DataParallelMeshDims(**kw)),
@@ -125,6 +125,8 @@ def _dp_mesh_dims(rank: int, ws: int, shape: tuple[int, int], names: tuple[str, 
         dp_size *= mesh.size(names.index(name))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.2) for m in models]
     optimizers.append(torch.optim.SGD(reference.parameters(), lr=0.2 / dp_size))
+    single = _net()  # and single-process training on the global batch
+    single_opt = torch.optim.SGD(single.parameters(), lr=0.2 / dp_size)
     losses: list[list[float]] = [[] for _ in optimizers]
     x, y = _batch(0, 8)  # one batch: the loss must go down
     for _ in range(3):
@@ -134,6 +136,9 @@ def _dp_mesh_dims(rank: int, ws: int, shape: tuple[int, int], names: tuple[str, 
             loss.backward()
             opt.step()
             trace.append(loss.full_tensor().item())
+        single_opt.zero_grad()
+        ((single(x) - y) ** 2).mean().backward()
+        single_opt.step()
     torch_model = models[0]
     placements = {n: (tuple(p.placements), p.device_mesh.mesh_dim_names) for n, p in models[1].named_parameters()} == {
         n: (tuple(p.placements), p.device_mesh.mesh_dim_names) for n, p in torch_model.named_parameters()
@@ -142,7 +147,7 @@ def _dp_mesh_dims(rank: int, ws: int, shape: tuple[int, int], names: tuple[str, 
         losses,
         max_param_diff(models[1], torch_model),
         max_param_diff(models[2], torch_model),
-        max_param_diff(models[1], reference),
+        max(max_param_diff(models[1], reference), max_param_diff(models[1], single)),
         placements,
     )
 
@@ -155,6 +160,10 @@ def _dp_mesh_dims(rank: int, ws: int, shape: tuple[int, int], names: tuple[str, 
         ((2, 2), ("rep", "shard"), {"shard": "shard", "replicate": "rep"}),  # HSDP
         ((2, 2), ("dp", "tp"), {"replicate": "dp"}),  # pure replication (DDP) + TP
         ((4,), ("dp",), {"replicate": "dp"}),  # pure replication
+        # several shard dims: sharded over their flattened group (9 rows over 4 ranks: 3, 3, 3, 0, not 3, 2, 2, 2)
+        ((2, 2), ("dp0", "dp1"), {"shard": ("dp0", "dp1")}),
+        ((1, 2, 2), ("rep", "dp0", "dp1"), {"shard": ("dp0", "dp1"), "replicate": "rep"}),  # and HSDP
+        ((2, 1, 2), ("dp0", "dp1", "tp"), {"shard": ("dp0", "dp1")}),  # and TP after them
     ],
 )
 def test_dp_mesh_dims_matches_torchs_fully_shard(run_dist, shape, names, kw) -> None:
@@ -226,21 +235,24 @@ def _bad_dims(rank: int, ws: int) -> list[str]:
         (_spmd_model(mesh, "dp"), fc.DataParallelMeshDims(shard="dp"), ValueError),  # Shard on the dp dim
         (_spmd_model(mesh, None), "dp", TypeError),
     ]
+    apart = mesh_nd((2, 1, 2), ("a", "t", "b"))  # several shard dims that are not neighbours in the mesh
+    cases.append((_spmd_model(apart, None), fc.DataParallelMeshDims(shard=("a", "b")), NotImplementedError))
     for model, dims, exc in cases:
         before = [(n, id(p)) for n, p in model.named_parameters()]
         with pytest.raises(exc) as info:
-            fc.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+            fc.fully_shard(model, mesh=apart if exc is NotImplementedError else mesh, dp_mesh_dims=dims)
         assert [(n, id(p)) for n, p in model.named_parameters()] == before and not fc.is_fully_sharded(model)
         messages.append(str(info.value))
     return messages
 
 
 def test_bad_dp_mesh_dims_raise_before_touching_the_model(run_dist) -> None:
-    plain, unknown, sharded, wrong_type = run_dist(4, _bad_dims)[0]
+    plain, unknown, sharded, wrong_type, apart = run_dist(4, _bad_dims)[0]
     assert "'0.weight' is a plain tensor" in plain
     assert "'nope'" in unknown and "('dp', 'tp')" in unknown
     assert "Shard(dim=0)" in sharded and "'dp'" in sharded and "'0.weight'" in sharded
     assert "torch.distributed.fsdp.DataParallelMeshDims" in wrong_type and "str" in wrong_type
+    assert "('a', 'b') must be adjacent dims" in apart
 
 
 # ---------------------------------------------------------------------- FSDP2's methods, bound per instance

@@ -340,6 +340,59 @@ def test_jvp_through_units_matches_torch_and_the_reference(run_dist, loss_on: st
         assert r["dtensor_params"]
 
 
+def _captured_input_under_transform(rank: int, ws: int, transform: str, mixed: bool) -> dict[str, Any]:
+    """enc and dec sharded separately (two roots, torch's test's layout); enc runs outside the transform, dec inside
+    it on enc's output, a tensor that requires grad captured from outside (not the transform's wrapped input)."""
+    mesh = mesh_1d(ws)
+    policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else {}
+    results: dict[str, Any] = {}
+    for name, shard, mp in (
+        ("reference", None, None),
+        ("ours", fc.fully_shard, fc.MixedPrecisionPolicy(**policy)),
+        ("torch", torch_fsdp.fully_shard, torch_fsdp.MixedPrecisionPolicy(**policy)),
+    ):
+        torch.manual_seed(0)
+        enc, dec = nn.Linear(6, 10), nn.Linear(10, 3)
+        if shard is not None:
+            for m in (enc, dec):
+                shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        opt = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1)
+        seen = []
+        for step in range(2):
+            x = _batch(step, 4 * ws)[0]
+            x = x if shard is None else local_batch(x, rank, ws)
+            e = enc(x)
+            if transform == "jvp":
+                primal = torch.randn(3, generator=torch.Generator().manual_seed(step))
+                out, tangent_out = torch.func.jvp(lambda _unused: dec(e), (primal,), (torch.ones(3),))
+                seen.append((out.dtype, bool((tangent_out == 0).all())))
+            else:
+                scales = torch.arange(1.0, 3.0).view(2, 1, 1)
+                out = torch.vmap(lambda s: dec(e) * s)(scales)
+                seen.append((out.dtype, out.shape[0] == 2))
+            opt.zero_grad()
+            out.float().pow(2).mean().backward()  # means over equal local batches: FSDP's average is the global one
+            opt.step()
+        results[name] = ([full_value(p.detach()).clone() for p in (*enc.parameters(), *dec.parameters())], seen)
+    return results
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("transform", ["jvp", "vmap"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+def test_transform_over_a_unit_called_on_a_captured_input_matches_torch(
+    run_dist, ws: int, transform: str, mixed: bool
+) -> None:
+    """torch.func over a unit whose input requires grad but comes from outside the transform: no autograd Function
+    may be applied inside it (before the fix: "must override the setup_context staticmethod")."""
+    for r in run_dist(ws, _captured_input_under_transform, transform, mixed):
+        (params, seen), (t_params, t_seen), (r_params, _) = r["ours"], r["torch"], r["reference"]
+        assert seen == t_seen  # output dtype (bf16 under the policy) and a zero tangent / the batched output
+        for ours, theirs, ref in zip(params, t_params, r_params, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+            torch.testing.assert_close(ours, ref, rtol=0, atol=2e-2 if mixed else 1e-6)  # bf16 compute vs fp32
+
+
 # ---------------------------------------------------------------------- a non-root bf16 unit's output dtype
 class _FloatBetween(nn.Module):
     def __init__(self) -> None:

@@ -341,6 +341,75 @@ def test_full_precision_in_eval_is_per_instance(run_dist, ws: int) -> None:
         assert r["train_err"] > 1e-3  # and in train mode this one is back to bf16
 
 
+class _CastChain(nn.Module):
+    """embed -> lin -> head. Sharded, each piece is a unit whose policy says ``param_dtype=float32`` (the parameters'
+    own dtype) and ``output_dtype=bfloat16``: lin gets embed's bf16 output and must cast it to fp32 (torch's rule).
+    ``emulate`` makes a plain module do those casts itself: the single-process reference."""
+
+    def __init__(self, emulate: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.lin = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+        self.emulate = emulate
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        if self.emulate:
+            h = h.to(torch.bfloat16).float()  # embed's output_dtype, then lin's input cast to its param_dtype
+        h = self.lin(h)
+        if self.emulate:
+            h = h.to(torch.bfloat16)  # lin's output_dtype
+        out = self.head(h.float())
+        return out.to(torch.bfloat16) if self.emulate else out  # the root's output_dtype
+
+
+def _param_dtype_equal_to_own_dtype_casts_inputs(rank: int, ws: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    reference = _CastChain(emulate=True)
+    ours, theirs = copy.deepcopy(reference), copy.deepcopy(reference)
+    ours.emulate = theirs.emulate = False
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    policy = fc.MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)
+    torch_policy = TorchPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)
+    mesh = mesh_1d(ws)
+    for part in (ours.embed, ours.lin, ours):
+        fc.fully_shard(part, mesh=mesh, mp_policy=policy)
+    for part in (theirs.embed, theirs.lin, theirs):
+        torch_fully_shard(part, mesh=mesh, mp_policy=torch_policy)
+    models = {"ours": ours, "theirs": theirs, "reference": reference}
+    opts = {k: torch.optim.Adam(m.parameters(), lr=1e-2) for k, m in models.items()}
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, 32, (4 * ws, 5), generator=gen)
+        for key, model in models.items():
+            x = idx if key == "reference" else local_batch(idx, rank, ws)
+            opts[key].zero_grad()
+            model(x).float().pow(2).mean().backward()
+            opts[key].step()
+    # A lone unit with the same param_dtype, fed bf16 directly: it computes in fp32 (torch: the same).
+    lone = fc.fully_shard(nn.Linear(8, 8), mesh=mesh, mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.float32))
+    lone_out = lone(torch.randn(2, 8, dtype=torch.bfloat16))
+    return {
+        "ours": max_param_diff(ours, reference),
+        "theirs": max_param_diff(theirs, reference),
+        "ours_vs_theirs": max_param_diff(ours, theirs),
+        "lone_dtype": lone_out.dtype,
+    }
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_param_dtype_equal_to_the_parameters_dtype_still_casts_inputs(run_dist, ws: int) -> None:
+    """torch's rule: floating inputs are cast to ``param_dtype`` whenever the policy sets one, even when it equals the
+    parameters' dtype (before the fix: "expected m1 and m2 to have the same dtype" in lin)."""
+    for r in run_dist(ws, _param_dtype_equal_to_own_dtype_casts_inputs):
+        assert r["ours"] <= 1e-6 and r["theirs"] <= 1e-6, r  # Adam, same global batch, 3 steps: measured 1.5e-8
+        assert r["ours_vs_theirs"] <= 1e-6, r
+        assert r["lone_dtype"] == torch.float32
+
+
 def _bad_policies(rank: int, ws: int) -> None:
     with pytest.raises(TypeError, match="reduce_dtype must be a floating-point"):
         fc.MixedPrecisionPolicy(reduce_dtype=torch.int32)

@@ -17,7 +17,7 @@ import fsdp_compose as fc
 from tests import int8_weight
 from tests.collective_bytes import CollectiveBytes
 from tests.dist_utils import full_value, mesh_1d, mesh_nd
-from tests.int8_weight import Int8Weight, PreHookOnly, Wrapper, int8_linears
+from tests.int8_weight import Int8Weight, PreHookOnly, Wrapper, attach_int8_hooks, int8_linears
 
 
 def _net() -> nn.Sequential:
@@ -188,7 +188,8 @@ def _refusals(rank: int, ws: int) -> list[str]:
         assert fc.get_state(model) is None
         messages.append(str(info.value))
 
-    refused(TypeError, Wrapper)  # a subclass without the hooks would lose its class in a flat buffer
+    # a subclass without the hooks (yet) is sharded its own way: on dim 0 only
+    refused(NotImplementedError, Wrapper, shard_placement_fn=lambda p: torch.distributed.tensor.Shard(p.ndim - 1))
     refused(TypeError, PreHookOnly)  # both hooks are needed
     refused(NotImplementedError, Int8Weight, shard_placement_fn=lambda p: torch.distributed.tensor.Shard(p.ndim - 1))
     refused(NotImplementedError, Int8Weight, offload_policy=fc.CPUOffloadPolicy())
@@ -198,7 +199,7 @@ def _refusals(rank: int, ws: int) -> list[str]:
 
 def test_subclasses_that_cannot_be_handled_are_refused_before_touching_the_model(run_dist) -> None:
     messages = run_dist(2, _refusals)[0]
-    assert "'0.weight' of Sequential is a Wrapper, a tensor subclass without FSDP2's all-gather hooks" in messages[0]
+    assert "'0.weight' of Sequential (Wrapper)" in messages[0] and "dim 0 only" in messages[0]
     assert "defines only one of fsdp_pre_all_gather / fsdp_post_all_gather" in messages[1]
     assert "Shard(1)" in messages[2] and "dim 0 only" in messages[2]
     assert "CPU offload" in messages[3]
@@ -226,3 +227,102 @@ def test_deepcopy_and_state_dict_keep_the_protocol(run_dist) -> None:
         ours, twin, fresh = result["losses"]
         assert ours == twin == fresh, result
         assert result["kinds"] == ["Int8Weight"], result
+
+
+# ------------------------------------------------------------------ hooks attached after fully_shard
+def _wrap_linears(model: nn.Module) -> None:
+    """Every Linear weight a ``Wrapper``: a tensor subclass without FSDP2's hooks."""
+    for sub in model.modules():
+        if isinstance(sub, nn.Linear):
+            sub.weight = nn.Parameter(Wrapper(sub.weight.detach().clone()))
+
+
+def _attach_to_local_shards(model: nn.Module) -> None:
+    for sub in model.modules():
+        if isinstance(sub, nn.Linear):
+            attach_int8_hooks(sub.weight._local_tensor)  # type: ignore[attr-defined]
+
+
+def _master(t: torch.Tensor) -> torch.Tensor:
+    value = full_value(t.detach())
+    return value._tensor if isinstance(value, Wrapper) else value
+
+
+def _hooks_after_fully_shard(rank: int, ws: int, kind: str) -> dict[str, Any]:
+    """``kind``: "plain" (plain weights; int8 hooks attached to their local shards after fully_shard), "subclass"
+    (Wrapper weights without hooks at fully_shard; the hooks attached afterwards), "never" (Wrapper weights that
+    never get hooks: they train as plain parameters). Ours and torch's fully_shard on the same batches."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = mesh_1d(ws)
+    results: dict[str, Any] = {}
+    for name, shard in (("ours", fc.fully_shard), ("torch", fully_shard)):
+        model = _net()
+        if kind != "plain":
+            _wrap_linears(model)
+        _shard(model, shard, mesh)
+        if kind != "never":
+            _attach_to_local_shards(model)  # after fully_shard, before the first forward (torch's lazy init)
+        int8_weight.calls.clear()
+        losses, counts = _train(model, rank, ws, steps=4)
+        results[name] = {
+            "losses": losses,
+            "calls": dict(int8_weight.calls),
+            "params": [_master(p) for p in model.parameters()],
+            "all_gather_bytes": counts["all_gather_bytes"],
+        }
+    # the single-process reference: the dequantized int8 weights where the hooks run, else the plain weights
+    if kind == "never":
+        reference = _net()
+        opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        ref_losses = []
+        for step in range(4):
+            x, y = _batch(step)
+            loss = nn.functional.mse_loss(reference(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_losses.append(loss.item())
+    else:
+        ref_losses, reference = _reference_losses(steps=4)
+    results["reference"] = {"losses": ref_losses, "params": [p.detach() for p in reference.parameters()]}
+    return results
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("kind", ["plain", "subclass", "never"])
+def test_hooks_attached_after_fully_shard_are_used_as_by_torch(run_dist, ws: int, kind: str) -> None:
+    """torch's fully_shard reads fsdp_pre_all_gather / fsdp_post_all_gather again at its lazy init: hooks attached to
+    the local shards after fully_shard are used, and a tensor subclass without hooks at fully_shard is accepted
+    (then trains as a plain parameter if it never gets them). Before: the hooks were never called (plain), and the
+    subclass was refused with TypeError."""
+    for r in run_dist(ws, _hooks_after_fully_shard, kind):
+        ours, theirs, ref = r["ours"], r["torch"], r["reference"]
+        if kind == "never":
+            assert ours["calls"] == theirs["calls"] == {}
+        else:
+            # 3 units with one hooked weight each, 4 steps: gathered in forward and again in backward
+            assert ours["calls"] == theirs["calls"] == {"pre": 24, "post": 3, "post_out": 21}, (ours, theirs)
+            assert ours["all_gather_bytes"] == theirs["all_gather_bytes"]  # int8 data + scales, as torch sends
+        assert max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"], strict=True)) < 1e-6
+        assert max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"], strict=True)) < 1e-5
+        for a, b, c in zip(ours["params"], theirs["params"], ref["params"], strict=True):
+            assert (a - b).abs().max().item() < 1e-5
+            assert (a - c).abs().max().item() < 1e-5
+
+
+def _hooks_added_where_unsupported(rank: int, ws: int) -> tuple[str, bool]:
+    model = _net()
+    _shard(model, fc.fully_shard, mesh_1d(ws), offload_policy=fc.CPUOffloadPolicy(pin_memory=False))
+    _attach_to_local_shards(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NotImplementedError) as info:
+        model(_batch(0)[0])
+    unchanged = all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))
+    return str(info.value), unchanged
+
+
+def test_hooks_attached_after_fully_shard_where_unsupported_raise_before_the_first_gather(run_dist) -> None:
+    for message, unchanged in run_dist(2, _hooks_added_where_unsupported):
+        assert "attached after fully_shard" in message and "CPU offload" in message, message
+        assert unchanged

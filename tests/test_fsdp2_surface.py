@@ -364,11 +364,11 @@ def _captured_input_under_transform(rank: int, ws: int, transform: str, mixed: b
             e = enc(x)
             if transform == "jvp":
                 primal = torch.randn(3, generator=torch.Generator().manual_seed(step))
-                out, tangent_out = torch.func.jvp(lambda _unused: dec(e), (primal,), (torch.ones(3),))
+                out, tangent_out = torch.func.jvp(lambda _unused, dec=dec, e=e: dec(e), (primal,), (torch.ones(3),))
                 seen.append((out.dtype, bool((tangent_out == 0).all())))
             else:
                 scales = torch.arange(1.0, 3.0).view(2, 1, 1)
-                out = torch.vmap(lambda s: dec(e) * s)(scales)
+                out = torch.vmap(lambda s, dec=dec, e=e: dec(e) * s)(scales)
                 seen.append((out.dtype, out.shape[0] == 2))
             opt.zero_grad()
             out.float().pow(2).mean().backward()  # means over equal local batches: FSDP's average is the global one

@@ -295,9 +295,8 @@ class BackwardWalk:
             self.reduce_cursor += 1
 
     def reap(self) -> None:
-        """Move the reductions in flight that have completed on (a check, not a wait), oldest first, stopping at the
-        first still running: what comes next (HSDP's all-reduce over replicas) then goes out in the agreed order on
-        every rank, never in the order the collectives happened to complete (which differs between ranks)."""
+        """Move the completed reductions on (a check, not a wait), oldest first, up to the first still running: what
+        comes next (HSDP's replica all-reduce) goes out in the agreed order on every rank, not in completion order."""
         for state in self.reducing:
             state.unit.grads.advance(only_if_done=True)
             if state.unit.grads.state is GradState.REDUCE_SCATTERING:
@@ -311,15 +310,11 @@ class BackwardWalk:
         wait only orders streams.
 
         On a CPU device a wait blocks the host, so here only what has completed is freed (``reap``); the wait comes
-        just before the new reduce-scatter is issued (``issue_reductions``), after the input is filled. Why: gloo's
-        reduce-scatter of a unit's fp32 input runs beside the next units' compute on the same cores and often
-        outlasts a bf16 unit's backward; filling first gives it that much longer. Measured on 2 ranks: the same
-        peaks (at that moment the unit's own activations are freed, and its reduce-scatter call holds more) and a
-        step a few percent shorter, about the size of the run-to-run noise (docs/benchmarks.md). So on CPU at most
-        ``max_reduce_inputs`` older reductions are in flight while an input is filled, and one fewer when it is
-        issued. A blocking wait is safe once this rank has issued every backward all-gather a peer may need before
-        it issues that reduce-scatter: those of the unit and of every unit run after its first call in forward
-        (``wait_after``). Before that the reduction stays in flight (memory, never a hang): in a model run in
+        just before the new reduce-scatter is issued (``issue_reductions``), after the input is filled: gloo's
+        reduction runs on beside the filling (the same peaks, a step a few percent shorter: docs/schedule.md, "The
+        reduce-scatter window"). A blocking wait is safe once this rank has issued every backward all-gather a peer
+        may need before it issues that reduce-scatter: those of the unit and of every unit run after its first call
+        in forward (``wait_after``). Before that the reduction stays in flight (memory, never a hang): in a model run in
         registration order that never happens.
         """
         if self.device.type == "cpu":

@@ -68,8 +68,9 @@ class StepContext:
         # This backward's agreement (schedule.py), until the final callback reads it; the group it goes over.
         self.agreement: PendingAgreement | None = None
         self.agreement_group = agreement_group(root.unit.dp)
-        # The last backward ended in StepAbandoned (a peer reset the step): fc.reset_step has nothing left to do.
-        self.abandoned_elsewhere = False
+        # The step already ended on every rank (this rank raised StepAbandoned, or its fc.reset_step met the others
+        # in the agreement): another fc.reset_step has nothing left to do, on any rank.
+        self.ended_everywhere = False
         self.calls_seen = 0  # forward calls of units so far (their order: see _wait_after)
         self.forward_raised = False  # the last root forward raised: its remaining all-gathers were never issued
         # The last backward left no-sync gradients in accumulation buffers (decided from settings, so it is the same
@@ -113,7 +114,7 @@ class StepContext:
         """
         if self.phase is StepPhase.BACKWARD:
             self.abandon()  # a backward that raised: its final callback never ran
-        self.abandoned_elsewhere = False
+        self.ended_everywhere = False
         if any(state.collective_checks for state in self.states):
             check_ranks_agree(self.root, self.states)  # before anything of this step communicates
         for state in self.states:
@@ -161,15 +162,9 @@ class StepContext:
     # ------------------------------------------------------------------ backward
     def begin_backward(self, running: object = None) -> None:
         """The first pre-backward of a backward (``running``: its node): issue the agreement on its participants,
-        build the walk, queue the final callback.
-
-        The agreement's answer is waited for here only where it changes what this rank issues: a unit this rank
-        does not run (a peer may run it), a parameter it expects no gradient for ("had a gradient" counts), collective
-        checks (a fingerprint to compare before anything else), or user code that acts on a gradient as it is
-        delivered (post-accumulate-grad hooks, an optimizer step in backward). Otherwise this rank's own answer is
-        the union and the backward goes on at once; the final callback reads the answer (did a rank abandon the
-        step?) before any gradient is handed out.
-        """
+        build the walk, queue the final callback. The answer is read here only where it changes what this rank
+        issues (docs/schedule.md, "When the host waits for it"); else this rank's own answer is the union, and the
+        final callback reads it (did a rank abandon the step?) before any gradient is handed out."""
         if self.backward is not None:
             return
         # The calls of each unit this backward runs here (autograd is asked once per call).
@@ -186,8 +181,9 @@ class StepContext:
         pending = start_agreement(
             self.schedule, self.agreement_group, reached, abandoning=False, checks=checks, expected=expected
         )
-        every_gradient = all(got for mp, got in zip(self._params(), expected, strict=True) if mp.trainable)
-        if not checks and all(reached) and every_gradient and not self._acts_on_delivery():
+        params = [mp for state in self.states for mp in state.unit.params]
+        every_gradient = all(got for mp, got in zip(params, expected, strict=True) if mp.trainable)
+        if not checks and all(reached) and every_gradient and not _acts_on_delivery(self.states):
             agreed = Agreement(reached, expected, [])  # this rank's answer is the union
         else:
             try:
@@ -202,53 +198,9 @@ class StepContext:
         _decide_flag_columns(self.states, agreed.gradient_somewhere)
         for state in self.states:
             state.recomputes_due = sum(1 for e in running_calls[id(state)] if e.inputs is not None)
-        self.backward = self._walk(agreed.participants, running_calls, running)
+        self.backward = _build_walk(self, agreed.participants, running_calls, running)
         self.phase = StepPhase.BACKWARD
         Variable._execution_engine.queue_callback(self._final_callback)
-
-    def _walk(
-        self, participants: list[bool], running_calls: dict[int, list[_Entry]], running: object = None
-    ) -> BackwardWalk:
-        """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs."""
-        takes_part = {id(s) for s, p in zip(self.states, participants, strict=True) if p}
-        here = {id(s) for s in self.states if running_calls.get(id(s))}
-        # Post-backward hooks each participant waits for here. A call whose inputs need no gradient has none (its
-        # backward's end is not observable): such a unit finishes in the final callback.
-        awaiting: dict[int, int] = {}
-        for state in self.states:
-            calls = running_calls.get(id(state), [])
-            if calls:
-                observable = all(e.post_backward_runs() for e in calls)
-                awaiting[id(state)] = len(calls) if observable else -1
-        gather_order = [s for s in self.schedule.gather_order if id(s) in takes_part]
-        self.draining = self.gradients_held and any(s.reduces_now for s in gather_order)
-        return BackwardWalk(
-            gather_order=gather_order,
-            reduce_order=[s for s in self.schedule.reduce_order if id(s) in takes_part],
-            reached_here=here,
-            awaiting=awaiting,
-            consumed={id(e) for calls in running_calls.values() for e in calls},
-            draining=self.draining,
-            max_reduce_inputs=self.root.max_reduce_inputs,
-            device=self.root.device,
-            where=self._where,
-            wait_after=_wait_after(gather_order),
-            graph_task=graph_task() if here and not _recomputes_inside(running_calls) else None,
-            calls_here={id(s): len(running_calls[id(s)]) for s in self.states if running_calls.get(id(s))},
-        )
-
-    def _params(self) -> list[ManagedParam]:
-        return [mp for state in self.states for mp in state.unit.params]
-
-    def _acts_on_delivery(self) -> bool:
-        """Does user code act on a gradient as soon as it is delivered (an optimizer step in backward, a
-        post-accumulate-grad hook)? Then a delivery cannot wait for the final callback: the agreement is read first."""
-        for state in self.states:
-            if state.unit.grads.delivery.on_finished is not None:
-                return True
-            if any(getattr(mp.sharded, "_post_accumulate_grad_hooks", None) for mp in state.unit.grads.trainable):
-                return True
-        return False
 
     def gather_for_backward(self, state: ShardState) -> None:
         """``state`` needs its parameters for backward (its pre-backward, or a recompute in backward)."""
@@ -294,7 +246,7 @@ class StepContext:
             if quitting:
                 # Every rank has completed this backward's collectives: drop what it reduced, on every rank.
                 self.abandon(agreed=True)
-                self.abandoned_elsewhere = True
+                self.ended_everywhere = True
                 raise StepAbandoned(
                     f"fsdp_compose: rank(s) {quitting} abandoned this step (fc.reset_step) while this rank ran its "
                     f"backward under {self.root.unit.owner_name}: no gradient of it is kept on any rank. Skip the "
@@ -364,41 +316,29 @@ class StepContext:
     def reset(self) -> None:
         """``fc.reset_step``: forget the current step (held no-sync gradients too) and reshard every unit.
 
-        After a forward whose backward is pending, other ranks may be running that backward (this rank raised in its
-        loss, or in its forward): this rank then joins the backward's agreement as abandoning, walks the agreed order
-        with zeros (every collective the others issue, nothing kept), and returns; the others learn it from the
-        agreement at the end of their backward and raise ``StepAbandoned`` there. A rank that just got that error
-        has nothing left to do here: its step already ended on every rank.
-        """
-        if self.abandoned_elsewhere:
-            self.abandoned_elsewhere = False
+        Other ranks may be running this step's backward (this rank raised in its loss or forward): this rank joins
+        its agreement as abandoning, walks it with zeros and returns; they raise ``StepAbandoned`` at its end."""
+        if self.ended_everywhere:  # until the next forward
             self._forget_step()
             return
-        if self.forward_raised and self.backward is None:
+        replayed = self.forward_raised and self.backward is None
+        if replayed:
             # This rank's forward stopped at an exception; the others (if it raised here only) go on through theirs:
-            # issue the forward all-gathers they issue after that point, in registration order, each freed again.
+            # issue the forward all-gathers they issue after that point, in registration order.
             for state in self.states:
                 if not state.entered and state.unit.needs_gather and not state.unit.explicit:
                     state.gather_now()
             self.forward_raised = False
         if self.backward is None:
             # Every rank calls reset_step at the same point, or this rank alone while the others run the backward
-            # of the step it abandons: either way they meet in the backward's agreement.
+            # of the step it abandons: either way they meet in the backward's agreement, and the step then ends on
+            # every rank (another reset_step has nothing left to do).
             reached = [False] * len(self.states)
             pending = start_agreement(self.schedule, self.agreement_group, reached, abandoning=True, checks=False)
             agreed = pending.result()
             if any(agreed.participants):
-                # Walk the others' backward with zeros, from the state their finished forward left each unit in:
-                # resharded where it reshards after forward (its backward all-gather comes in the walk), kept where
-                # it keeps its parameters (no backward all-gather there, also where this rank's failed forward
-                # freed them).
-                for state in self.states:
-                    if state.reshard_after_forward and not state.unit.explicit:
-                        state.unit.reshard()
-                _decide_flag_columns(self.states, agreed.gradient_somewhere)
-                walk = self._walk(agreed.participants, {})
-                walk.gathered |= {id(s) for s in walk.gather_order if not s.reshard_after_forward}
-                self.backward = walk
+                self.backward = _zero_walk(self, agreed, replayed=replayed)
+            self.ended_everywhere = True
         if self.backward is not None or any(s.unit.grads.has_pending() for s in self.states):
             self.abandon()
         self._forget_step()
@@ -412,6 +352,71 @@ class StepContext:
             state.kept_unsharded = False
         self.backward = None
         self.phase = StepPhase.IDLE
+
+
+def _build_walk(
+    step: StepContext, participants: list[bool], running_calls: dict[int, list[_Entry]], running: object = None
+) -> BackwardWalk:
+    """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs."""
+    takes_part = {id(s) for s, p in zip(step.states, participants, strict=True) if p}
+    here = {id(s) for s in step.states if running_calls.get(id(s))}
+    # Post-backward hooks each participant waits for here. A call whose inputs need no gradient has none (its
+    # backward's end is not observable): such a unit finishes in the final callback.
+    awaiting: dict[int, int] = {}
+    for state in step.states:
+        calls = running_calls.get(id(state), [])
+        if calls:
+            observable = all(e.post_backward_runs() for e in calls)
+            awaiting[id(state)] = len(calls) if observable else -1
+    gather_order = [s for s in step.schedule.gather_order if id(s) in takes_part]
+    step.draining = step.gradients_held and any(s.reduces_now for s in gather_order)
+    return BackwardWalk(
+        gather_order=gather_order,
+        reduce_order=[s for s in step.schedule.reduce_order if id(s) in takes_part],
+        reached_here=here,
+        awaiting=awaiting,
+        consumed={id(e) for calls in running_calls.values() for e in calls},
+        draining=step.draining,
+        max_reduce_inputs=step.root.max_reduce_inputs,
+        device=step.root.device,
+        where=step._where,
+        wait_after=_wait_after(gather_order),
+        graph_task=graph_task() if here and not _recomputes_inside(running_calls) else None,
+        calls_here={id(s): len(running_calls[id(s)]) for s in step.states if running_calls.get(id(s))},
+    )
+
+
+def _acts_on_delivery(states: list[ShardState]) -> bool:
+    """Does user code act on a gradient as soon as it is delivered (an optimizer step in backward, a
+    post-accumulate-grad hook)? Then a delivery cannot wait for the final callback: the agreement is read first."""
+    for state in states:
+        if state.unit.grads.delivery.on_finished is not None:
+            return True
+        if any(getattr(mp.sharded, "_post_accumulate_grad_hooks", None) for mp in state.unit.grads.trainable):
+            return True
+    return False
+
+
+def _zero_walk(step: StepContext, agreed: Agreement, *, replayed: bool) -> BackwardWalk:
+    """The walk of the others' backward, for this rank to complete with zeros (``_as_after_forward``)."""
+    if replayed:
+        _as_after_forward(step.states)
+    _decide_flag_columns(step.states, agreed.gradient_somewhere)
+    walk = _build_walk(step, agreed.participants, {})
+    if replayed:
+        walk.gathered |= {id(s) for s in walk.gather_order if not s.reshard_after_forward}
+    return walk
+
+
+def _as_after_forward(states: list[ShardState]) -> None:
+    """After a loss that raised here the units are where the others' are at the start of their backward (the same
+    forward ran). After a forward that raised here, they are put where the others' finished forward leaves them:
+    resharded where they reshard after forward (their backward all-gather comes in the walk); kept where they keep
+    their parameters (``_zero_walk`` then issues no backward all-gather for them, also where this rank's failed
+    forward freed them)."""
+    for state in states:
+        if state.reshard_after_forward and not state.unit.explicit:
+            state.unit.reshard()
 
 
 def _decide_flag_columns(states: list[ShardState], gradient_somewhere: list[bool]) -> None:

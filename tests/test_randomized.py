@@ -121,6 +121,7 @@ def _micro_batch(
     *,
     fail_loss: bool = False,
     mid_eval: Any = None,
+    twice: bool = True,
 ) -> None:
     """Forward, loss and backward of one micro-batch, as ``cfg.loss`` says. ``fail_loss``: raise ``_LossFailed``
     after the forward (chunked: after the first chunk's head forward); ``mid_eval``: called between the forward and
@@ -132,7 +133,7 @@ def _micro_batch(
             raise _LossFailed("injected failure in the loss")
         if mid_eval is not None:
             mid_eval()
-        if cfg.backward_twice:  # two backwards through one retained graph: their gradients add up to the loss's
+        if cfg.backward_twice and twice:  # two backwards through one graph: their gradients add up to the loss's
             half = _loss(y, target) * (scale / 2)
             half.backward(retain_graph=True)
             half.backward()
@@ -262,7 +263,7 @@ def _run_case(rank: int, ws: int, cfg: CaseConfig) -> dict[str, Any]:
                 failing = rank == index % ws
                 got = "no error"
                 try:
-                    _micro_batch(model, cfg, xf, target[rank, 0], use, 1.0, fail_loss=failing)
+                    _micro_batch(model, cfg, xf, target[rank, 0], use, 1.0, fail_loss=failing, twice=False)
                 except (_LossFailed, StepAbandoned) as e:  # the documented loop: reset_step in the except clause
                     got = "its own error" if isinstance(e, _LossFailed) else "StepAbandoned"
                     fc.reset_step(model)  # returns on every rank: on the others the step already ended
@@ -274,7 +275,8 @@ def _run_case(rank: int, ws: int, cfg: CaseConfig) -> dict[str, Any]:
                 block = model.blocks[index % len(model.blocks)]
                 block.fault = "backward" if rank == index % ws else ""
                 try:
-                    _micro_batch(model, cfg, xf, target[rank, 0], use, 1.0)
+                    # One backward: the failing rank stops in it, so a second one would run on the others only.
+                    _micro_batch(model, cfg, xf, target[rank, 0], use, 1.0, twice=False)
                     if rank == index % ws:
                         raise AssertionError("the injected backward fault did not raise")
                 except RuntimeError as e:

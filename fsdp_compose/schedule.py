@@ -59,7 +59,9 @@ class ScheduledUnit:
 
     def collectives(self) -> list[str]:
         state, unit = self.state, self.state.unit
-        gathers = unit.world_size > 1 and unit.layout.segment_numel > 0
+        # Protocol parameters and several dtype groups are gathered by one all-gather of their inputs, however large
+        # the plain segment is (gathering.UnitGather.start).
+        gathers = unit.world_size > 1 and (unit.layout.segment_numel > 0 or not unit.shards.uniform)
         setting = state.reshard_after_forward_setting
         reshards = (not self.is_root) if setting is None else bool(setting)
         found = []

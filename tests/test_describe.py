@@ -161,3 +161,31 @@ def test_describe_schedule_prints_the_declared_order(run_dist) -> None:
         assert lines[0 + 1].strip().startswith("0 (root): all_gather(forward), reduce_scatter")
         assert "(root) -> blocks.1 -> blocks.0" in before
         assert "blocks.1 -> blocks.0 -> (root)" in before
+
+
+def _protocol_only_unit(rank: int, ws: int) -> dict[str, Any]:
+    """A unit whose only parameter uses FSDP2's all-gather hooks (no flat segment): the schedule must list the
+    all-gathers it issues."""
+    import torch.nn as nn
+
+    from tests.int8_weight import int8_linears
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.GELU(), nn.Linear(32, 8))
+    int8_linears(model)
+    fc.fully_shard(model[0], mesh=mesh_1d(ws))
+    fc.fully_shard(model, mesh=mesh_1d(ws))
+    text = fc.describe_schedule(model)
+    loss = model(torch.randn(4, 16)).pow(2).mean()
+    with fc.CollectiveRecorder() as recorder:
+        loss.backward()
+    backward = recorder.counts()["all_gather"]
+    with fc.CollectiveRecorder() as recorder:
+        model(torch.randn(4, 16))
+    return {"text": text, "forward": recorder.counts()["all_gather"], "backward": backward}
+
+
+def test_describe_schedule_lists_a_protocol_only_units_all_gathers(run_dist) -> None:
+    for result in run_dist(2, _protocol_only_unit):
+        assert result["text"].count("all_gather(forward)") == result["forward"] == 2, result
+        assert result["text"].count("all_gather(backward)") == result["backward"] == 1, result

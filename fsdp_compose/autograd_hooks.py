@@ -7,12 +7,17 @@ states and never the other way round.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch._dynamo.compiled_autograd
 
-__all__ = ["StepOwner", "check_not_compiled_autograd", "gradient_node", "in_backward"]
+__all__ = ["StepOwner", "check_backward_reads_none_of", "check_not_compiled_autograd", "gradient_node", "in_backward"]
+
+
+if TYPE_CHECKING:
+    from .flat import ManagedParam
 
 
 class StepOwner(Protocol):
@@ -70,3 +75,34 @@ def check_not_compiled_autograd(owner: str) -> None:
             "fsdp_compose does not support: its backward hooks must run in eager autograd. Turn compiled autograd "
             "off; torch.compile of the blocks still compiles their backward (see docs/compile.md)"
         )
+
+
+def check_backward_reads_none_of(owner: str, node: object, params: Sequence[ManagedParam]) -> None:
+    """``set_unshard_in_backward(False)`` promised that the unit's backward reads none of its parameters: check the
+    graph below ``node`` (the unit's pre-backward) down to the unit's inputs before it runs, and name the parameter
+    a node saved for backward. The unit's full parameters are freed after forward: a read would fail in torch with
+    "setStorage ... storage of size 0", naming nothing."""
+    storages = {mp.full.untyped_storage()._cdata: mp.fqn for mp in params if mp.full is not None}
+    stack = [n for n, _ in getattr(node, "next_functions", ()) if n is not None]
+    seen: set[int] = set()
+    while stack:
+        current = stack.pop()
+        if id(current) in seen or type(current).__name__ in ("AccumulateGrad", "_PostBackwardBackward"):
+            continue
+        seen.add(id(current))
+        for attr in dir(current):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(current, attr)
+            except RuntimeError:  # already freed by an earlier backward: autograd raises its own error
+                continue
+            name = storages.get(value.untyped_storage()._cdata) if isinstance(value, torch.Tensor) else None
+            if name is not None:
+                raise RuntimeError(
+                    f"fsdp_compose: set_unshard_in_backward(False) on {owner}, but its backward reads parameter "
+                    f"{name!r} ({type(current).__name__} saved it in forward), which is not gathered for backward. "
+                    "Leave set_unshard_in_backward(True) for this unit; False suits units whose backward needs no "
+                    "parameter (an embedding's)"
+                )
+        stack.extend(n for n, _ in current.next_functions if n is not None)

@@ -37,7 +37,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .autograd_hooks import StepOwner, check_not_compiled_autograd, gradient_node, in_backward
+from .autograd_hooks import (
+    StepOwner,
+    check_backward_reads_none_of,
+    check_not_compiled_autograd,
+    gradient_node,
+    in_backward,
+)
 from .collectives import labelled
 from .policies import MixedPrecisionPolicy, PrefetchPoint
 from .pytrees import map_tensors, tensors_in
@@ -453,6 +459,8 @@ class ShardState:
             if ctx is None:
                 self.gather_now()
                 return
+            if not self.unshard_in_backward:
+                check_backward_reads_none_of(self.unit.owner_name, node, self.unit.params)
             ctx.begin_backward(node)
             ctx.gather_for_backward(self)
 

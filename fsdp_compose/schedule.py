@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -153,13 +153,19 @@ class PendingAgreement:
     """The agreement's all-reduce, issued and maybe still in flight; ``result`` waits for it once and reads it."""
 
     def __init__(
-        self, values: torch.Tensor | None, work: Work | None, reached: list[bool], expected: list[bool], **how: Any
+        self,
+        values: torch.Tensor | None,
+        work: Work | None,
+        reached: list[bool],
+        expected: list[bool],
+        *,
+        abandoning: bool,
+        checks: bool,
+        owner: str,
     ) -> None:
         self.values, self.work = values, work
         self.reached, self.expected = reached, expected
-        self.abandoning: bool = how["abandoning"]
-        self.checks: bool = how["checks"]
-        self.owner: str = how["owner"]
+        self.abandoning, self.checks, self.owner = abandoning, checks, owner
         self._result: Agreement | None = None
 
     @property
@@ -176,13 +182,18 @@ class PendingAgreement:
             self._result = self._decode()
         return self._result
 
+    def wait(self) -> None:
+        """Complete the all-reduce (every rank issued it) without reading it: a step that ends without its answer."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
     def _decode(self) -> Agreement:
         me = dist.get_rank() if dist.is_initialized() else 0
         values = self.values
         if values is None:  # this rank is the only data-parallel rank
             return Agreement(self.reached, self.expected, [me] if self.abandoning else [])
-        if self.work is not None:
-            self.work.wait()
+        self.wait()
         if is_fake(values):
             # The planner simulates one rank of identical ones (FakeTensorMode, fake process group): what this rank
             # runs is what every rank runs.

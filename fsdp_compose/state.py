@@ -225,8 +225,8 @@ class ShardState:
         self.forward_prefetch: list[ShardState] | None = None
         self.backward_prefetch: list[ShardState] | None = None
         self.backward_prefetch_point: PrefetchPoint = "midway"  # fc.set_backward_prefetch_point
-        # FSDP2's set_unshard_in_backward(False): the unit's backward needs no parameters (an embedding's): no
-        # backward all-gather. A backward that reads them anyway fails on the freed storage (torch's "setStorage").
+        # FSDP2's set_unshard_in_backward(False): no backward all-gather (an embedding's backward reads no weight); a
+        # backward that does read one is refused at the pre-backward (autograd_hooks.check_backward_reads_none_of).
         self.unshard_in_backward = True
         # Set at lazy init.
         self.root: ShardState | None = None

@@ -175,14 +175,12 @@ class StepContext:
         checks = any(state.collective_checks for state in self.states)
         # Per parameter: will this rank have a gradient for it (its unit's reduce-scatter needs no flags when some
         # rank will, for every trainable parameter of the unit)
-        expected = [
-            mp.trainable and s.unit.grads.input.expects_gradient(mp) for s in self.states for mp in s.unit.params
-        ]
+        params = [(s, mp) for s in self.states for mp in s.unit.params]
+        expected = [mp.trainable and s.unit.grads.input.expects_gradient(mp) for s, mp in params]
         pending = start_agreement(
             self.schedule, self.agreement_group, reached, abandoning=False, checks=checks, expected=expected
         )
-        params = [mp for state in self.states for mp in state.unit.params]
-        every_gradient = all(got for mp, got in zip(params, expected, strict=True) if mp.trainable)
+        every_gradient = all(got for (_, mp), got in zip(params, expected, strict=True) if mp.trainable)
         if not checks and all(reached) and every_gradient and not _acts_on_delivery(self.states):
             agreed = Agreement(reached, expected, [])  # this rank's answer is the union
         else:
@@ -298,8 +296,8 @@ class StepContext:
                     mp.full.grad = None  # partial; the reductions below carry zeros in their place
         if self.backward is not None and not agreed:
             self.backward.complete()
-        if self.agreement is not None and self.agreement.work is not None:
-            self.agreement.work.wait()  # issued by every rank: completed by every rank, its answer unused
+        if self.agreement is not None:
+            self.agreement.wait()  # issued by every rank: completed by every rank, its answer unused
         self.agreement = None
         for state in self.states:
             state.unit.grads.delivery.hold = False

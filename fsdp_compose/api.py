@@ -147,8 +147,9 @@ def reset_step(module: nn.Module) -> None:
     call ``reset_step`` in the ``except`` clause before any other collective. It walks the other ranks' backward with
     zeros and returns; their backward raises ``StepAbandoned`` at its end, with nothing kept, and ``reset_step``
     there has nothing left to do: ``except RuntimeError: fc.reset_step(model); continue`` on every rank keeps them
-    in step. (After an exception inside one rank's backward the others' backward completes unaware: skip the step on
-    every rank yourself.) Without a backward running, every rank must call it at the same point.
+    in step. The same holds after an exception inside one rank's backward: its reset completes the rest of that
+    backward with zeros, and the others learn it from the backward's closing word (docs/schedule.md, "The end of a
+    step"). Without a backward running, every rank must call it at the same point.
     """
     state = _require_state(module, "reset_step")
     root = state.root

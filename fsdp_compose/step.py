@@ -139,13 +139,8 @@ class StepContext:
         self.phase = StepPhase.FORWARD
         if self.root.device.type != "cpu":
             # Blocking, like DDP: a caller may refill a pinned host batch right after model(x) returns.
-            args, kwargs = tree_map(self._to_device, (args, kwargs))
+            args, kwargs = tree_map(functools.partial(_to_device, self.root.device), (args, kwargs))
         return args, kwargs
-
-    def _to_device(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.device != self.root.device:
-            return value.to(self.root.device)
-        return value
 
     def end_forward(self, *, raised: bool = False) -> None:
         """The root's forward returned (or ``raised``): close units still open (a group only partly run, or run
@@ -241,6 +236,7 @@ class StepContext:
             bp.complete()
             quitting = self.agreement.result().quitting if self.agreement is not None else []
             self.agreement = None
+            quitting += _closing_word(self, abandoning=False)
             if quitting:
                 # Every rank has completed this backward's collectives: drop what it reduced, on every rank.
                 self.abandon(agreed=True)
@@ -294,11 +290,15 @@ class StepContext:
             for mp in state.unit.params:
                 if mp.full is not None:
                     mp.full.grad = None  # partial; the reductions below carry zeros in their place
-        if self.backward is not None and not agreed:
-            self.backward.complete()
+        walked = self.backward is not None and not agreed
+        if walked:
+            self.backward.complete()  # type: ignore[union-attr]
         if self.agreement is not None:
             self.agreement.wait()  # issued by every rank: completed by every rank, its answer unused
         self.agreement = None
+        if walked:
+            _closing_word(self, abandoning=True)  # the others raise StepAbandoned at the end of their backward
+            self.ended_everywhere = True
         for state in self.states:
             state.unit.grads.delivery.hold = False
             state.unit.grads.discard()
@@ -350,6 +350,19 @@ class StepContext:
             state.kept_unsharded = False
         self.backward = None
         self.phase = StepPhase.IDLE
+
+
+def _to_device(device: torch.device, value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.device != device:
+        return value.to(device)
+    return value
+
+
+def _closing_word(step: StepContext, *, abandoning: bool) -> list[int]:
+    """The ranks that abandoned this backward after its agreement (an exception inside it, then ``fc.reset_step``):
+    one small all-reduce, issued by every rank once its walk is complete (docs/schedule.md, "The end of a step")."""
+    word = start_agreement(step.schedule, step.agreement_group, [], abandoning=abandoning, checks=False, expected=[])
+    return word.result().quitting
 
 
 def _build_walk(

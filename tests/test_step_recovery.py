@@ -174,7 +174,8 @@ def test_an_undropped_no_sync_micro_batch_is_reduced(run_dist, ws: int) -> None:
 
 def _one_rank_fails(rank: int, ws: int, where: str, checks: bool, hsdp: bool) -> dict[str, Any]:
     """The loop docs/errors.md gives: ``except RuntimeError: fc.reset_step(model); continue`` on every rank. At step 1
-    the last rank alone raises (``where``: in a block's forward, or in its loss). Every rank must skip step 1 (the
+    the last rank alone raises (``where``: in a block's forward, in its loss, or in its backward after the root's and
+    the last block's gradients). Every rank must skip step 1 (the
     reference skips it), the failing rank with its own error, every other one with ``StepAbandoned`` at the end of
     its backward, and go on in step."""
     cfg = GPTConfig(n_layers=3)
@@ -183,8 +184,9 @@ def _one_rank_fails(rank: int, ws: int, where: str, checks: bool, hsdp: bool) ->
     shard_gpt(model, mesh)
     if checks:
         fc.set_collective_checks(model)
-    failer = _Failer("forward")
+    failer = _Failer(where)
     model.blocks[1].register_forward_pre_hook(failer.forward_pre)
+    model.blocks[1].register_forward_hook(failer.forward_post)  # "backward": after the root's and block 2's
     opt = make_optimizer("sgd")(model.parameters())
     ref_opt = make_optimizer("sgd")(reference.parameters())
     failing, outcomes = ws - 1, []
@@ -195,7 +197,7 @@ def _one_rank_fails(rank: int, ws: int, where: str, checks: bool, hsdp: bool) ->
             loss_fn(reference(inputs), targets).backward()
             ref_opt.step()
         fails_here = step == 1 and rank == failing
-        failer.armed = fails_here and where == "forward"
+        failer.armed = fails_here and where != "loss"
         try:
             loss = loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws))
             if fails_here and where == "loss":
@@ -214,7 +216,7 @@ def _one_rank_fails(rank: int, ws: int, where: str, checks: bool, hsdp: bool) ->
 
 
 @pytest.mark.parametrize("checks", [False, True])
-@pytest.mark.parametrize("where", ["forward", "loss"])
+@pytest.mark.parametrize("where", ["forward", "loss", "backward"])
 @pytest.mark.parametrize("ws,hsdp", [(2, False), (4, False), (4, True)])
 def test_reset_in_an_except_clause_keeps_every_rank_in_step(
     run_dist, ws: int, hsdp: bool, where: str, checks: bool

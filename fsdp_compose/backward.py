@@ -17,6 +17,7 @@ final callback. Everything that picks a collective during a backward is here:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .grads import GradState
+from .program import Program
 from .unit import UnitState
 
 if TYPE_CHECKING:
@@ -76,15 +78,13 @@ class BackwardWalk:
     freed_early: dict[int, int] = field(default_factory=dict)  # id -> bytes of its full parameters freed early
     # id -> the units a unit prefetched midway: their all-gathers land at its end, before its gradients are staged
     landing: dict[int, list[ShardState]] = field(default_factory=dict)
+    program: Program | None = None  # this backward's collectives (program.py): each one issued is checked against it
 
-    def position(self, state: ShardState) -> int | None:
-        for index, candidate in enumerate(self.gather_order):
-            if candidate is state:
-                return index
-        return None
+    def __post_init__(self) -> None:
+        self.positions = {id(s): index for index, s in enumerate(self.gather_order)}
 
     def takes_part(self, state: ShardState) -> bool:
-        return any(s is state for s in self.gather_order)
+        return id(state) in self.positions
 
     def gather_for_backward(self, state: ShardState) -> None:
         """``state`` needs its parameters for backward: issue the backward all-gathers up to it in the agreed order.
@@ -95,15 +95,17 @@ class BackwardWalk:
         wait through this unit's reduce-scatter on top of every accumulation buffer: the step's peak).
         """
         self.reap()
-        target = self.position(state)
+        target = self.positions.get(id(state))
         if target is None:
             if id(state) in self.done:
                 raise RuntimeError(f"internal error in fsdp_compose: {self.where(state)} gathered after its backward")
-            state.gather_now()  # run by this backward although no entry said so (a forward inside backward)
+            self._run(
+                "all_gather", state, state.gather_now
+            )  # run by this backward although no entry said so (a forward inside it)
             return
         self._advance_gathers(target, needed=state)
         if id(state) not in self.done and state.unshard_in_backward:
-            state.gather_now()
+            self._run("all_gather", state, state.gather_now)
 
     def _issue_backward_gather(self, passed: ShardState, *, now: bool) -> None:
         if not passed.unshard_in_backward:
@@ -112,10 +114,10 @@ class BackwardWalk:
             # Copied out before its prefetch is issued: the prefetch's output then never coexists with this unit's
             # all-gather output and full parameters (the same all-gathers, in the same order).
             self.gathered.add(id(passed))
-            passed.gather_now()
+            self._run("all_gather", passed, passed.gather_now)
         elif id(passed) not in self.gathered:
             self.gathered.add(id(passed))
-            passed.start_gather(async_op=True)
+            self._run("all_gather", passed, functools.partial(passed.start_gather, async_op=True))
         if passed.backward_prefetch is not None:
             self._prefetch([t for t in passed.backward_prefetch if self.takes_part(t)])
         elif not self.draining:
@@ -142,14 +144,11 @@ class BackwardWalk:
     def _frees_early(self, state: ShardState, *, nested: bool | None = None) -> bool:
         """May a full parameter of ``state`` whose gradient was just accumulated be freed now, before its unit ends?
 
-        autograd runs every node of a graph that reads a parameter before the node that accumulates its gradient
-        (they feed it), so once that ran nothing of this backward's graph reads the parameter: if this is the
-        unit's only call here, or its last one still running; if the unit reshards at its end anyway (nothing
-        else changes: no collective, no order); if no recompute of it is still to come; and if this is the
-        backward itself, not a nested one (a reentrant checkpoint's recompute: the outer graph may still read
-        it). A backward that runs a reentrant checkpoint anywhere frees nothing early (``graph_task`` is None: see
-        ``step._recomputes_inside``). ``FullParams.free_early`` adds the last check: nothing but the library's own
-        tensors views it.
+        autograd runs every node reading a parameter before the node accumulating its gradient, so then nothing of
+        this backward reads it: if this is the unit's only (or last running) call here, the unit reshards at its end
+        anyway, no recompute of it is due, and this is the backward itself, not a nested one (a reentrant
+        checkpoint: ``graph_task`` None frees nothing early, ``step._recomputes_inside``). ``FullParams.free_early``
+        adds the last check: nothing but the library's own tensors views it.
         """
         if nested is None:
             nested = graph_task() != self.graph_task
@@ -197,7 +196,7 @@ class BackwardWalk:
                     # waiting first keeps them from living next to the prefetched all-gather output.
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
                 self.gathered.add(id(target))
-                target.start_gather(async_op=True)
+                self._run("all_gather", target, functools.partial(target.start_gather, async_op=True))
 
     def call_backward_done(self, state: ShardState) -> None:
         """A ``_PostBackward`` of ``state`` ran: once every call of it this backward runs here has, finish it."""
@@ -215,14 +214,13 @@ class BackwardWalk:
         """The unit's backward is done here: free its full parameters, land what it prefetched midway, stage (or
         accumulate) its gradients, then issue its prefetch if it was held back to here."""
         self.done.add(id(state))
-        target = self.position(state)
+        target = self.positions.get(id(state))
         if id(state) not in self.gathered and target is not None:
             self._advance_gathers(target)  # peers gather it: so does this rank, before its reduction
         if state.reshard_after_backward and state.unit.state is not UnitState.GATHERING:
-            # Free the full parameters first: the gradients live apart from them (in ``.grad`` or the buffer). The
-            # same decision on every rank, whether its backward ran the unit or not (the next forward gathers what
-            # was freed: it must be freed everywhere). One still gathering (passed, never needed here) is freed in
-            # the final callback, when waiting for its all-gather cannot block a peer.
+            # Free the full parameters first (the gradients live apart from them), on every rank alike, whether it ran
+            # the unit or not. One still gathering (never needed here) is freed in the final callback, when waiting
+            # for its all-gather cannot block a peer.
             state.unit.reshard()
         for prefetched in self.landing.pop(id(state), []):
             # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
@@ -238,7 +236,7 @@ class BackwardWalk:
         if not state.reduces_now:
             grads.accumulate()
         elif grads.trainable:
-            grads.stage()
+            self._run("all_reduce", state, grads.stage)
         deferred = self.deferred.pop(id(state), None)
         if deferred is not None:
             self._prefetch(deferred.targets, after_reductions=True)
@@ -282,7 +280,7 @@ class BackwardWalk:
             grads = state.unit.grads
             if state.reduces_now and grads.trainable:
                 if grads.state is not GradState.STAGED:
-                    grads.stage()
+                    self._run("all_reduce", state, grads.stage)
                 if self.device.type == "cpu":
                     # The window's wait on CPU (``make_room``): older reductions complete before this one is issued,
                     # also for an input staged in place (an accumulation buffer, filled without ``make_room``): each
@@ -290,15 +288,24 @@ class BackwardWalk:
                     # and an accumulation buffer is alive anyway: a wait here would only stall compute.
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
                 grads.reduce(all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync)
+                if self.program is not None and state.unit.world_size > 1:
+                    self.program.expect("reduce_scatter", state, self.where(state))
                 if grads.state is GradState.REDUCE_SCATTERING:
                     self.reducing.append(state)
             self.reduce_cursor += 1
+
+    def _run(self, kind: str, state: ShardState, call: Callable[[], object]) -> None:
+        """``call()`` for ``state``: a ``kind`` collective it issues must be the program's next one (program.py)."""
+        before = _issued(kind, state)
+        call()
+        if self.program is not None and _issued(kind, state) != before:
+            self.program.expect(kind, state, self.where(state))
 
     def reap(self) -> None:
         """Move the completed reductions on (a check, not a wait), oldest first, up to the first still running: what
         comes next (HSDP's replica all-reduce) goes out in the agreed order on every rank, not in completion order."""
         for state in self.reducing:
-            state.unit.grads.advance(only_if_done=True)
+            self._run("all_reduce", state, functools.partial(state.unit.grads.advance, only_if_done=True))
             if state.unit.grads.state is GradState.REDUCE_SCATTERING:
                 break
         self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
@@ -306,16 +313,10 @@ class BackwardWalk:
     def make_room(self) -> None:
         """Before a new reduce-scatter input is filled: on an accelerator fewer than ``max_reduce_inputs`` others
         may stay alive (``set_reduce_scatter_max_input_buffers``, FSDP2's meaning; default 1: the previous
-        reduce-scatter completes before the next input is filled). The oldest in flight completes first; there a
-        wait only orders streams.
-
-        On a CPU device a wait blocks the host, so here only what has completed is freed (``reap``); the wait comes
-        just before the new reduce-scatter is issued (``issue_reductions``), after the input is filled: gloo's
-        reduction runs on beside the filling (the same peaks, a step a few percent shorter: docs/schedule.md, "The
-        reduce-scatter window"). A blocking wait is safe once this rank has issued every backward all-gather a peer
-        may need before it issues that reduce-scatter: those of the unit and of every unit run after its first call
-        in forward (``wait_after``). Before that the reduction stays in flight (memory, never a hang): in a model run in
-        registration order that never happens.
+        reduce-scatter completes before the next input is filled); there a wait only orders streams. On a CPU device
+        a wait blocks the host: here only what completed is freed (``reap``), and the wait comes just before the new
+        reduce-scatter is issued (``issue_reductions``, docs/schedule.md "The reduce-scatter window"), once this rank
+        has issued every backward all-gather a peer may need first (``wait_after``): memory, never a hang.
         """
         if self.device.type == "cpu":
             self.reap()
@@ -331,7 +332,7 @@ class BackwardWalk:
                 id(oldest), len(self.gather_order)
             ):
                 return
-            oldest.unit.grads.advance()
+            self._run("all_reduce", oldest, oldest.unit.grads.advance)
             self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
 
     def complete(self) -> None:
@@ -346,6 +347,11 @@ class BackwardWalk:
             if id(state) not in self.done:
                 self._finish_unit(state)
         self.issue_reductions(final=True)
-        for state in self.reduce_order:
-            state.unit.grads.finish()  # the reductions overlapped the rest of backward; wait for what is left
+        for state in self.reduce_order:  # the reductions overlapped the rest of backward: wait for what is left
+            self._run("all_reduce", state, state.unit.grads.finish)
         self.reducing = []
+
+
+def _issued(kind: str, state: ShardState) -> int:
+    """How many ``kind`` collectives ``state``'s unit has issued so far (all-gathers, all-reduces over replicas)."""
+    return state.unit.gather.issued if kind == "all_gather" else state.unit.grads.all_reduces_issued

@@ -28,7 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .api import get_state
 from .policies import MixedPrecisionPolicy
-from .schedule import StepSchedule
+from .program import StepSchedule, unit_names
 
 if TYPE_CHECKING:
     from .state import ShardState
@@ -421,15 +421,7 @@ def step_schedule(module: nn.Module, names: dict[int, str] | None = None) -> Ste
             "describe the root"
         )
     states = _states_under(module)
-    if names is None:
-        paths = {id(m): name or "(root)" for name, m in module.named_modules()}
-        names = {
-            id(s): "[" + ", ".join(paths[id(m)] for m in s.modules) + "]"
-            if len(s.modules) > 1
-            else paths[id(s.modules[0])]
-            for s in states
-        }
-    return StepSchedule(root, states, names)
+    return StepSchedule(root, states, names or unit_names(module, states))
 
 
 def describe_schedule(module: nn.Module) -> str:

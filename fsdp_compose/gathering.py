@@ -132,6 +132,7 @@ class UnitGather:
         self.compute_dtype: torch.dtype | None = None  # dtype of the full parameters gathered last
         self._pending_gather: _PendingGather | None = None
         self._group_block: torch.Tensor | None = None  # GROUP_SHARDED: this rank's W/k segments of the gathered buffer
+        self.issued = 0  # all-gathers issued so far (the backward walk checks each against the step's program)
 
     def _to(self, new: UnitState) -> None:
         self.state = checked(self.state, new, _ALLOWED, f"unit {self.owner_name}")
@@ -194,6 +195,7 @@ class UnitGather:
         if stream is not None:
             pending.issued = record_event(self.device, stream)
         self._pending_gather = pending
+        self.issued += pending.collective
         self._to(UnitState.GATHERING)
 
     def _start_plan(self, dtype: torch.dtype, *, async_op: bool) -> None:
@@ -220,6 +222,7 @@ class UnitGather:
         self._pending_gather = _PendingGather(
             work, plan.output, plan.shard, encoded=False, plan=plan, collective=collective
         )
+        self.issued += collective
         self._to(UnitState.GATHERING)
 
     def _start_group_gather(self, block: torch.Tensor, *, async_op: bool) -> None:
@@ -231,6 +234,7 @@ class UnitGather:
         with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"):
             work = all_gather_flat(gathered, block.view(-1), self.post_forward.group, async_op=async_op)
         self._pending_gather = _PendingGather(work, gathered, block, encoded=False)
+        self.issued += 1
         self._to(UnitState.GATHERING)
 
     # ------------------------------------------------------------------ wait and copy out

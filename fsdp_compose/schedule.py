@@ -26,7 +26,6 @@ first hook only where the answer changes what it issues (``StepContext.begin_bac
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,93 +34,16 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .collectives import Work, all_reduce_max
+from .program import StepSchedule
 
 if TYPE_CHECKING:
     from .meshes import DataParallelMesh
-    from .state import ShardState
 
 __all__ = ["Agreement", "PendingAgreement", "StepAbandoned", "StepSchedule", "agreement_group", "start_agreement"]
 
 
 class StepAbandoned(RuntimeError):
     """Some rank abandoned the step (``fc.reset_step``) while others ran its backward: raised on every rank."""
-
-
-@dataclass(frozen=True)
-class ScheduledUnit:
-    """One unit's place in the schedule and the collectives it issues in a step."""
-
-    position: int  # registration order under the root
-    state: ShardState
-    name: str
-
-    is_root: bool = False
-
-    def collectives(self) -> list[str]:
-        state, unit = self.state, self.state.unit
-        # Protocol parameters and several dtype groups are gathered by one all-gather of their inputs, however large
-        # the plain segment is (gathering.UnitGather.start).
-        gathers = unit.world_size > 1 and (unit.layout.segment_numel > 0 or not unit.shards.uniform)
-        setting = state.reshard_after_forward_setting
-        reshards = (not self.is_root) if setting is None else bool(setting)
-        found = []
-        if gathers:
-            found.append("all_gather(forward)")
-            if reshards and state.unshard_in_backward:
-                found.append("all_gather(backward)")
-        if unit.grads.trainable and state.reduces_now and unit.world_size > 1:
-            found.append("reduce_scatter")
-        if unit.grads.trainable and unit.dp.replicate_group is not None and state.requires_all_reduce:
-            found.append("all_reduce(replicas)")
-        return found
-
-
-class StepSchedule:
-    """The units of one root in the orders every rank follows (see the module docstring)."""
-
-    def __init__(self, root: ShardState, states: list[ShardState], names: dict[int, str] | None = None) -> None:
-        """``names``: id(state) -> the name to print (module paths; default: the unit's class names)."""
-        self.root = root
-        named = names or {}
-        self.units = [ScheduledUnit(i, s, named.get(id(s), s.unit.owner_name), s is root) for i, s in enumerate(states)]
-        self._names = {id(u.state): u.name for u in self.units}
-        self.position = {id(s): i for i, s in enumerate(states)}
-        others = [s for s in states if s is not root]
-        # The root first: its outputs are the loss's inputs, so its backward hook fires first. It keeps its
-        # parameters after forward by default, so its "gather" usually costs nothing.
-        self.gather_order: list[ShardState] = [root, *reversed(others)]
-        # The root last: its own parameters (embeddings) get their gradients last.
-        self.reduce_order: list[ShardState] = [*reversed(others), root]
-
-    def parameter_count(self) -> int:
-        """Parameters of all units (trainable or not: the count every rank has, whatever it froze)."""
-        return sum(len(u.state.unit.params) for u in self.units)
-
-    @property
-    def states(self) -> list[ShardState]:
-        return [u.state for u in self.units]
-
-    def next_after(self, state: ShardState) -> ShardState | None:
-        """The unit after ``state`` in registration order (the implicit forward prefetch target)."""
-        index = self.position.get(id(state))
-        if index is None or index + 1 >= len(self.units):
-            return None
-        return self.units[index + 1].state
-
-    def describe(self) -> str:
-        lines = ["forward (registration order; each unit all-gathers when first entered):"]
-        for u in self.units:
-            lines.append(f"  {u.position:>3} {u.name}: {', '.join(u.collectives()) or 'no collective'}")
-        names = self._names
-        lines.append("backward all-gathers (gather cursor): " + " -> ".join(names[id(s)] for s in self.gather_order))
-        lines.append("reductions (reduce cursor): " + " -> ".join(names[id(s)] for s in self.reduce_order))
-        lines.append("each backward: one all-reduce of the units it runs (agreed participation), then only those units")
-        return "\n".join(lines)
-
-    def fingerprint(self) -> int:
-        """64 bits of the schedule: ranks with different fingerprints would issue different collectives."""
-        text = repr([(u.name, u.collectives()) for u in self.units])
-        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from .autograd_hooks import (
     in_backward,
 )
 from .collectives import labelled
-from .policies import MixedPrecisionPolicy, PrefetchPoint
+from .policies import MixedPrecisionPolicy, PrefetchPoint, reshards_after_forward
 from .pytrees import map_tensors, tensors_in
 from .unit import ShardedUnit, UnitState
 
@@ -279,9 +279,7 @@ class ShardState:
 
     @property
     def reshard_after_forward(self) -> bool:
-        if self.reshard_after_forward_setting is None:
-            return not self.is_root
-        return bool(self.reshard_after_forward_setting)
+        return reshards_after_forward(self.reshard_after_forward_setting, is_root=self.root is self)
 
     @property
     def reduces_now(self) -> bool:

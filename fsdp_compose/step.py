@@ -36,7 +36,8 @@ from .backward import BackwardWalk, graph_task
 from .checks import check_ranks_agree
 from .collectives import labelled
 from .grads import GradState
-from .schedule import Agreement, PendingAgreement, StepAbandoned, StepSchedule, agreement_group, start_agreement
+from .program import Program, StepSchedule, backward_program, control_group, flagged, unit_names
+from .schedule import Agreement, PendingAgreement, StepAbandoned, agreement_group, start_agreement
 from .streams import side_stream
 from .unit import UnitState
 
@@ -62,9 +63,10 @@ class StepContext:
     def __init__(self, root: ShardState, states: list[ShardState]) -> None:
         self.root = root
         self.states = states  # every state under the root, pre-order (registration order)
-        self.schedule = StepSchedule(root, states)
+        self.schedule = StepSchedule(root, states, unit_names(root.modules[0], states))
         self.phase = StepPhase.IDLE
         self.backward: BackwardWalk | None = None
+        self.programs: list[Program] = []  # the programs of this step's backwards, as compiled (program.py)
         # This backward's agreement (schedule.py), until the final callback reads it; the group it goes over.
         self.agreement: PendingAgreement | None = None
         self.agreement_group = agreement_group(root.unit.dp)
@@ -137,6 +139,7 @@ class StepContext:
             if state.auto_refresh_trainable and unit.refresh_trainable():
                 logger.debug("trainability of %s changed: refreshed", unit.owner_name)
         self.phase = StepPhase.FORWARD
+        self.programs = self.programs if continuing else []
         if self.root.device.type != "cpu":
             # Blocking, like DDP: a caller may refill a pinned host batch right after model(x) returns.
             args, kwargs = tree_map(functools.partial(_to_device, self.root.device), (args, kwargs))
@@ -192,6 +195,8 @@ class StepContext:
         for state in self.states:
             state.recomputes_due = sum(1 for e in running_calls[id(state)] if e.inputs is not None)
         self.backward = _build_walk(self, agreed.participants, running_calls, running)
+        self.backward.program = _compile(self, self.backward)
+        self.programs.append(self.backward.program)
         self.phase = StepPhase.BACKWARD
         Variable._execution_engine.queue_callback(self._final_callback)
 
@@ -236,7 +241,7 @@ class StepContext:
             bp.complete()
             quitting = self.agreement.result().quitting if self.agreement is not None else []
             self.agreement = None
-            quitting += _closing_word(self, abandoning=False)
+            quitting += _closing_word(self, abandoning=False, program=bp.program)
             if quitting:
                 # Every rank has completed this backward's collectives: drop what it reduced, on every rank.
                 self.abandon(agreed=True)
@@ -358,10 +363,22 @@ def _to_device(device: torch.device, value: Any) -> Any:
     return value
 
 
-def _closing_word(step: StepContext, *, abandoning: bool) -> list[int]:
+def _compile(step: StepContext, walk: BackwardWalk) -> Program:
+    """This backward's program (program.py), from its agreed participants and the state the forward left."""
+    flags = {id(s): flagged(s) for s in walk.reduce_order}
+    control = control_group(step.agreement_group)
+    return backward_program(step.schedule, walk.gather_order, live=True, control=control, flags=flags)
+
+
+def _closing_word(step: StepContext, *, abandoning: bool, program: Program | None = None) -> list[int]:
     """The ranks that abandoned this backward after its agreement (an exception inside it, then ``fc.reset_step``):
-    one small all-reduce, issued by every rank once its walk is complete (docs/schedule.md, "The end of a step")."""
+    one small all-reduce, issued by every rank once its walk is complete (docs/schedule.md, "The end of a step").
+    Then every operation of the backward's ``program`` has been issued."""
     word = start_agreement(step.schedule, step.agreement_group, [], abandoning=abandoning, checks=False, expected=[])
+    if program is not None:
+        if step.agreement_group is not None:
+            program.expect("closing_word", step.root, step._where())
+        program.check_done(step._where())
     return word.result().quitting
 
 

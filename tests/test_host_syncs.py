@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compose as fc
 import fsdp_compose.delivery as delivery_module
+import fsdp_compose.step as step_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.step import StepContext
 from tests.dist_utils import full_value, local_batch, mesh_1d, reference_and_copy, shard_gpt
@@ -218,7 +219,7 @@ def _input_copies(rank: int, ws: int) -> list[bool]:
     ctx.root.device = torch.device("meta")
     mode = _Copies()
     with mode:
-        moved = ctx._to_device(torch.randn(2, 4))
+        moved = step_module._to_device(ctx.root.device, torch.randn(2, 4))
     assert moved.device.type == "meta"
     return mode.non_blocking
 

@@ -3,7 +3,7 @@
 The model replays, allocation by allocation, what a step of the preset GPT keeps alive on one rank under
 fsdp_compose (1-D mesh, fp32, AdamW / SGD per-parameter loop, no activation checkpointing), with sizes in closed form.
 *When* each unit gathers, reshards and reduces is not restated here: it is read from the engine's declared schedule
-of the measured model (``StepRecord.schedule``: ``fsdp_compose.schedule.StepSchedule``, the object the step walks),
+of the measured model (``StepRecord.schedule``: ``fsdp_compose.program.StepSchedule``, the object the step walks),
 and :class:`_Walk` replays its rules:
 
 - forward: a unit is gathered when its first module is entered (all-gather, copy-out), then the next unit in

@@ -402,7 +402,7 @@ def _roll_up(labels: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def schedule_record(model: nn.Module, units: dict[str, nn.Module]) -> dict[str, Any]:
-    """The engine's declared schedule of the sharded root ``model`` (``fsdp_compose.schedule.StepSchedule``, built by
+    """The engine's declared schedule of the sharded root ``model`` (``fsdp_compose.program.StepSchedule``, built by
     the function ``fc.describe_schedule`` uses) as data, each unit named as in ``units`` (its key: ``"root"``,
     ``"blocks.3"``): ``units`` in registration order, each with its class names, whether it is the root, the
     collectives it issues in a step and whether it frees its full parameters after forward (also at one rank);

@@ -1,0 +1,364 @@
+"""The step as a program: the collectives one forward and one backward issue, in order, per process group.
+
+A backward's program is compiled at its first hook (``StepContext.begin_backward``) from what every rank holds the
+same: the schedule's orders, the units the ranks agreed take part, each unit's settings, and the state the (SPMD)
+forward left each unit in. The walk (``backward.BackwardWalk``) then issues exactly that program: each collective it
+issues is checked against the next one of its process group, and a mismatch is an internal error naming the rank,
+the unit and the position. ``fc.describe_schedule`` prints the same compiler's output for a step that runs every
+unit, and the collective checks fingerprint it, so what is printed, what is compared across ranks and what runs are
+one list.
+
+Why per process group, not one list: all-gathers, reduce-scatters (a group of their own: ``meshes.
+reduce_scatter_group``), replica all-reduces and the step's control all-reduces each go over their own
+communicator, where only the relative order within one communicator must match across ranks. Their interleaving
+depends on when gradients complete here, which differs between ranks by design (a unit some ranks do not run
+reduces zeros at its turn, at once).
+
+Each setting that decides a collective is derived here once (``gathers_in_backward`` and friends), from the
+state's own properties: the walk and the printer call the same functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .policies import reshards_after_forward
+from .unit import UnitState
+
+if TYPE_CHECKING:
+    from .state import ShardState
+
+__all__ = [
+    "Operation",
+    "Program",
+    "ScheduledUnit",
+    "StepSchedule",
+    "backward_program",
+    "forward_program",
+    "gathers",
+    "gathers_in_backward",
+    "unit_names",
+]
+
+
+@dataclass(frozen=True)
+class ScheduledUnit:
+    """One unit's place in the schedule and the collectives it issues in a step."""
+
+    position: int  # registration order under the root
+    state: ShardState
+    name: str
+
+    is_root: bool = False
+
+    def collectives(self) -> list[str]:
+        """The kinds of collective the unit issues in a step that runs every unit (from program.py)."""
+        found = ["all_gather(forward)"] if gathers(self.state) else []
+        if gathers_in_backward(self.state, live=False, is_root=self.is_root):
+            found.append("all_gather(backward)")
+        kinds = {"reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce(replicas)"}
+        found += [kinds[op.kind] for op in reductions(self.state, self.name, flagged=True)]
+        return found
+
+
+def unit_names(root_module: nn.Module, states: list[ShardState]) -> dict[int, str]:
+    """id(state) -> the unit's module paths under the root (``[a, b]`` for a group): how schedules name units."""
+    paths = {id(m): name or "(root)" for name, m in root_module.named_modules()}
+    found = {}
+    for state in states:
+        names = [paths.get(id(m), type(m).__name__) for m in state.modules]
+        found[id(state)] = names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
+    return found
+
+
+class StepSchedule:
+    """The units of one root in the orders every rank follows (see the module docstring)."""
+
+    def __init__(self, root: ShardState, states: list[ShardState], names: dict[int, str] | None = None) -> None:
+        """``names``: id(state) -> the name to print (module paths; default: the unit's class names)."""
+        self.root = root
+        named = names or {}
+        self.units = [ScheduledUnit(i, s, named.get(id(s), s.unit.owner_name), s is root) for i, s in enumerate(states)]
+        self._names = {id(u.state): u.name for u in self.units}
+        self.position = {id(s): i for i, s in enumerate(states)}
+        others = [s for s in states if s is not root]
+        # The root first: its outputs are the loss's inputs, so its backward hook fires first. It keeps its
+        # parameters after forward by default, so its "gather" usually costs nothing.
+        self.gather_order: list[ShardState] = [root, *reversed(others)]
+        # The root last: its own parameters (embeddings) get their gradients last.
+        self.reduce_order: list[ShardState] = [*reversed(others), root]
+
+    def parameter_count(self) -> int:
+        """Parameters of all units (trainable or not: the count every rank has, whatever it froze)."""
+        return sum(len(u.state.unit.params) for u in self.units)
+
+    @property
+    def states(self) -> list[ShardState]:
+        return [u.state for u in self.units]
+
+    def next_after(self, state: ShardState) -> ShardState | None:
+        """The unit after ``state`` in registration order (the implicit forward prefetch target)."""
+        index = self.position.get(id(state))
+        if index is None or index + 1 >= len(self.units):
+            return None
+        return self.units[index + 1].state
+
+    def describe(self) -> str:
+        lines = ["forward (registration order; each unit all-gathers when first entered):"]
+        for u in self.units:
+            lines.append(f"  {u.position:>3} {u.name}: {', '.join(u.collectives()) or 'no collective'}")
+        names = self._names
+        lines.append("backward all-gathers (gather cursor): " + " -> ".join(names[id(s)] for s in self.gather_order))
+        lines.append("reductions (reduce cursor): " + " -> ".join(names[id(s)] for s in self.reduce_order))
+        lines.append("each backward: one all-reduce of the units it runs (agreed participation), then only those units")
+        lines.append("the program of a step that runs every unit (per process group, in issue order):")
+        for phase, program in (("forward", forward_program(self)), ("backward", self.full_backward())):
+            for group, ops in program.channels.items():
+                lines.append(f"  {phase}, group {group or '(none)'}:")
+                lines += [f"    {index:>3} {op}" for index, op in enumerate(ops)]
+        return "\n".join(lines)
+
+    def full_backward(self) -> Program:
+        """The program of a backward that every unit takes part in (what a step that runs all of them issues)."""
+        size = math.prod(group.size() for group in self.root.unit.dp.agreement_groups)
+        control = ("data-parallel", size) if size > 1 else None
+        return backward_program(self, self.states, live=False, control=control)
+
+    def fingerprint(self) -> int:
+        """64 bits of the program: ranks with different fingerprints would issue different collectives."""
+        ops = [*forward_program(self).operations(), *self.full_backward().operations()]
+        text = repr([(u.name, u.collectives()) for u in self.units] + [str(op) for op in ops])
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One collective of a step: ``numel`` elements of ``dtype`` (the all-gather's output, the reduce-scatter's
+    input, the all-reduced tensor: torch's own conventions), None where an extension decides the size."""
+
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "agreement" | "closing_word"
+    unit: str
+    phase: str  # "forward" | "backward"
+    group: str  # the process group's name (``ProcessGroup.group_name``)
+    group_size: int
+    dtype: torch.dtype
+    numel: int | None
+    key: int = field(default=0, compare=False, repr=False)  # id() of the unit's state (0: the root's control)
+
+    def __str__(self) -> str:
+        size = "?" if self.numel is None else str(self.numel)
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.kind}({self.unit}, {self.phase}) over {self.group_size} ranks: {size} x {dtype}"
+
+
+@dataclass
+class Program:
+    """Per process group (its name), the collectives in issue order; ``issued`` counts what ran of each."""
+
+    channels: dict[str, list[Operation]] = field(default_factory=dict)
+    issued: dict[str, int] = field(default_factory=dict)
+
+    def add(self, operation: Operation) -> None:
+        self.channels.setdefault(operation.group, []).append(operation)
+
+    def operations(self) -> list[Operation]:
+        """Every operation, channel after channel (each in issue order)."""
+        return [op for ops in self.channels.values() for op in ops]
+
+    def check_done(self, where: str) -> None:
+        """The end of the backward: every operation of the program must have been issued."""
+        left = [str(op) for name, ops in self.channels.items() for op in ops[self.issued.get(name, 0) :]]
+        if left:
+            raise RuntimeError(
+                f"internal error in fsdp_compose: {where}: the backward ended with operations of its program never "
+                f"issued: {'; '.join(left)}; please report it with fc.describe_schedule(model)"
+            )
+
+    def expect(self, kind: str, state: ShardState, where: str) -> None:
+        """``state`` just issued a ``kind`` collective: it must be the next operation of one of the program's groups
+        (else an internal error naming the rank, the unit and the position)."""
+        for name, ops in self.channels.items():
+            index = self.issued.get(name, 0)
+            if index < len(ops) and ops[index].kind == kind and ops[index].key == id(state):
+                self.issued[name] = index + 1
+                return
+        planned = [
+            str(ops[self.issued.get(name, 0)])
+            for name, ops in self.channels.items()
+            if self.issued.get(name, 0) < len(ops)
+        ]
+        raise RuntimeError(
+            f"internal error in fsdp_compose: {where} issued a {kind} that is not next in the step's program "
+            f"(next per process group: {'; '.join(planned) or 'nothing'}); please report it with "
+            "fc.describe_schedule(model)"
+        )
+
+
+def control_group(group: dist.ProcessGroup | None) -> tuple[str, int] | None:
+    """The agreement's group as a program names it."""
+    return None if group is None else (_name(group), group.size())
+
+
+def _name(group: dist.ProcessGroup | None) -> str:
+    return "" if group is None else str(group.group_name)
+
+
+def gathers(state: ShardState) -> bool:
+    """Does the unit's gather move anything between ranks (the flat segment, or its protocol parameters)?"""
+    unit = state.unit
+    return unit.world_size > 1 and (unit.layout.segment_numel > 0 or not unit.shards.uniform)
+
+
+def gathers_in_backward(state: ShardState, *, live: bool, is_root: bool = False) -> bool:
+    """Does the unit all-gather when the backward's gather cursor (or a prefetch) reaches it? ``live``: from the
+    state its forward left it in (a unit kept gathered, or gathered in another dtype by an eval forward); else from
+    its settings (``is_root``: it is the schedule's root), for a step that has not run."""
+    if not state.unshard_in_backward or not gathers(state):
+        return False
+    if not live:
+        return reshards_after_forward(state.reshard_after_forward_setting, is_root=is_root)
+    unit = state.unit
+    return unit.needs_gather or unit.compute_dtype != state.compute_dtype(state.modules[0])
+
+
+def _gather_numel(state: ShardState) -> int | None:
+    unit = state.unit
+    if not unit.shards.uniform or unit.extensions.all_gather is not None:
+        return None  # sized by the gather plan, or by an extension's encode
+    return unit.world_size * unit.layout.segment_numel
+
+
+def _gather(state: ShardState, name: str, phase: str, *, post_forward: bool) -> Operation:
+    unit = state.unit
+    group = unit.post_forward.group if post_forward and unit.post_forward is not None else unit.dp.shard_group
+    return Operation(
+        "all_gather",
+        name,
+        phase,
+        _name(group),
+        group.size(),
+        state.compute_dtype(state.modules[0]),
+        _gather_numel(state),
+        id(state),
+    )
+
+
+def forward_program(schedule: StepSchedule) -> Program:
+    """The forward all-gathers of a step that enters every unit in registration order (the implicit prefetch's
+    order), from sharded units."""
+    program = Program()
+    for scheduled in schedule.units:
+        if gathers(scheduled.state):
+            program.add(_gather(scheduled.state, scheduled.name, "forward", post_forward=False))
+    return program
+
+
+def backward_gather_order(schedule: StepSchedule, participants: list[ShardState]) -> list[ShardState]:
+    """The order the gather cursor and its prefetches reach the participants: the schedule's gather order, each
+    unit followed by its explicit ``fc.set_modules_to_backward_prefetch`` targets not reached yet."""
+    taking_part = {id(s) for s in participants}
+    reached: list[ShardState] = []
+    seen: set[int] = set()
+    for state in schedule.gather_order:
+        if id(state) not in taking_part:
+            continue
+        for unit in [state, *(state.backward_prefetch or [])]:
+            if id(unit) in taking_part and id(unit) not in seen and (unit is state or unit.unshard_in_backward):
+                seen.add(id(unit))
+                reached.append(unit)
+    return reached
+
+
+def backward_program(
+    schedule: StepSchedule,
+    participants: list[ShardState],
+    *,
+    live: bool,
+    control: tuple[str, int] | None,
+    flags: dict[int, bool] | None = None,
+) -> Program:
+    """One backward's collectives: the agreement, the backward all-gathers, the reductions, the closing word.
+
+    ``participants``: the units the ranks agreed take part (``schedule.units``' order); ``live``: compiled at the
+    backward's first hook from the units' state (else from their settings); ``control``: the agreement's group;
+    ``flags``: id(state) -> its reduce-scatter carries "had a gradient" columns (None: none, as where every
+    trainable parameter gets a gradient on some rank).
+    """
+    program = Program()
+    control_ops: list[Operation] = []
+    if control is not None:
+        parameters = schedule.parameter_count()
+        group, world = control
+        root = schedule.root.unit.owner_name
+        agreement = len(schedule.units) + parameters + world + 2
+        control_ops = [
+            Operation("agreement", root, "backward", group, world, torch.int64, agreement, id(schedule.root)),
+            Operation("closing_word", root, "backward", group, world, torch.int64, world + 2, id(schedule.root)),
+        ]
+        program.add(control_ops[0])
+        if live:
+            program.issued[group] = 1  # the agreement went out before its answer could compile this program
+    names = {id(u.state): u.name for u in schedule.units}
+    for state in backward_gather_order(schedule, participants):
+        if gathers_in_backward(state, live=live, is_root=state is schedule.root):
+            unit = state.unit
+            grouped = unit.state is UnitState.GROUP_SHARDED if live else unit.post_forward is not None
+            program.add(_gather(state, names[id(state)], "backward", post_forward=grouped))
+    taking_part = {id(s) for s in participants}
+    for state in schedule.reduce_order:
+        if id(state) not in taking_part:
+            continue
+        for operation in reductions(state, names[id(state)], flagged=False if flags is None else flags[id(state)]):
+            program.add(operation)
+    for operation in control_ops[1:]:
+        program.add(operation)
+    return program
+
+
+def flagged(state: ShardState) -> bool:
+    """Does the unit's next reduce-scatter carry "had a gradient" columns (grad_input.py)? Held partial sums or an
+    accumulation buffer keep the layout they were made with."""
+    grads = state.unit.grads
+    if grads.replica_partial is not None or grads.input.buffer is not None:
+        return grads.input.flagged
+    return grads.input.flags_needed and not grads.zero_unused
+
+
+def reductions(state: ShardState, name: str, *, flagged: bool) -> list[Operation]:
+    """The reduce-scatter (over the shard group's reduce-scatter group) and the HSDP all-reduce over replicas a unit
+    issues in a backward that reduces it."""
+    unit, grads = state.unit, state.unit.grads
+    if not grads.trainable or not state.reduces_now:
+        return []
+    found = []
+    spec = grads.spec
+    width = grads.input.layout.segment_numel + grads.input.rows.tail(flagged)
+    if unit.world_size > 1:
+        group = spec.reduce_group
+        found.append(
+            Operation(
+                "reduce_scatter",
+                name,
+                "backward",
+                _name(group),
+                group.size(),
+                spec.reduce_dtype,
+                width * unit.world_size,
+                id(state),
+            )
+        )
+    replicas = unit.dp.replicate_group
+    if replicas is not None and state.requires_all_reduce:
+        found.append(
+            Operation(
+                "all_reduce", name, "backward", _name(replicas), replicas.size(), spec.reduce_dtype, width, id(state)
+            )
+        )
+    return found

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
 
 import torch
 
@@ -30,9 +30,13 @@ from .unit import UnitState
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
+    from .gathering import UnitGather
+    from .grads import UnitGradients
     from .state import ShardState
 
 __all__ = ["BackwardWalk", "graph_task"]
+
+Issuer = Union["UnitGather", "UnitGradients"]  # what counts the collectives a unit issued (``issued``)
 
 
 def graph_task() -> int | None:
@@ -99,13 +103,12 @@ class BackwardWalk:
         if target is None:
             if id(state) in self.done:
                 raise RuntimeError(f"internal error in fsdp_compose: {self.where(state)} gathered after its backward")
-            self._run(
-                "all_gather", state, state.gather_now
-            )  # run by this backward although no entry said so (a forward inside it)
+            # run by this backward although no entry said so (a forward inside it)
+            self._run("all_gather", state, state.unit.gather, state.gather_now)
             return
         self._advance_gathers(target, needed=state)
         if id(state) not in self.done and state.unshard_in_backward:
-            self._run("all_gather", state, state.gather_now)
+            self._run("all_gather", state, state.unit.gather, state.gather_now)
 
     def _issue_backward_gather(self, passed: ShardState, *, now: bool) -> None:
         if not passed.unshard_in_backward:
@@ -114,10 +117,10 @@ class BackwardWalk:
             # Copied out before its prefetch is issued: the prefetch's output then never coexists with this unit's
             # all-gather output and full parameters (the same all-gathers, in the same order).
             self.gathered.add(id(passed))
-            self._run("all_gather", passed, passed.gather_now)
+            self._run("all_gather", passed, passed.unit.gather, passed.gather_now)
         elif id(passed) not in self.gathered:
             self.gathered.add(id(passed))
-            self._run("all_gather", passed, functools.partial(passed.start_gather, async_op=True))
+            self._run("all_gather", passed, passed.unit.gather, functools.partial(passed.start_gather, async_op=True))
         if passed.backward_prefetch is not None:
             self._prefetch([t for t in passed.backward_prefetch if self.takes_part(t)])
         elif not self.draining:
@@ -163,10 +166,8 @@ class BackwardWalk:
         )
 
     def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
-        """A full parameter of ``state`` got its gradient: free it now where ``_frees_early`` allows, then issue the
-        unit's midway prefetch once half its parameter bytes are freed and the window has room (on CPU older
-        reductions are waited for where ``make_room`` may wait, on an accelerator checked; otherwise at a later
-        gradient, or at the unit's end)."""
+        """A full parameter of ``state`` got its gradient: free it where ``_frees_early`` allows; issue the unit's
+        midway prefetch once half its parameter bytes are freed and the window has room (else later, or at its end)."""
         if not self._frees_early(state):
             return
         freed = state.unit.free_early(mp)
@@ -196,15 +197,15 @@ class BackwardWalk:
                     # waiting first keeps them from living next to the prefetched all-gather output.
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
                 self.gathered.add(id(target))
-                self._run("all_gather", target, functools.partial(target.start_gather, async_op=True))
+                self._run(
+                    "all_gather", target, target.unit.gather, functools.partial(target.start_gather, async_op=True)
+                )
 
     def call_backward_done(self, state: ShardState) -> None:
         """A ``_PostBackward`` of ``state`` ran: once every call of it this backward runs here has, finish it."""
-        if id(state) in self.done or not self.takes_part(state):
-            return
         left = self.awaiting.get(id(state), 0)
-        if left < 0:
-            return  # finishes in the final callback
+        if id(state) in self.done or not self.takes_part(state) or left < 0:
+            return  # a unit with left < 0 finishes in the final callback
         self.awaiting[id(state)] = left - 1
         if left - 1 <= 0:
             self._finish_unit(state)
@@ -217,7 +218,7 @@ class BackwardWalk:
         target = self.positions.get(id(state))
         if id(state) not in self.gathered and target is not None:
             self._advance_gathers(target)  # peers gather it: so does this rank, before its reduction
-        if state.reshard_after_backward and state.unit.state is not UnitState.GATHERING:
+        if state.reshard_after_backward and state.unit.gather.state is not UnitState.GATHERING:
             # Free the full parameters first (the gradients live apart from them), on every rank alike, whether it ran
             # the unit or not. One still gathering (never needed here) is freed in the final callback, when waiting
             # for its all-gather cannot block a peer.
@@ -228,7 +229,7 @@ class BackwardWalk:
             # wait blocks the host: only where no peer can be waiting for a reduction this rank has not issued yet
             # (``_may_wait_for_landing``), else only if the all-gather has arrived already.
             unit = prefetched.unit
-            if unit.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
+            if unit.gather.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
                 if self.device.type != "cpu" or unit.gather_arrived() or self._may_wait_for_landing(state):
                     prefetched.gather_now()
         state.opened = False
@@ -236,7 +237,7 @@ class BackwardWalk:
         if not state.reduces_now:
             grads.accumulate()
         elif grads.trainable:
-            self._run("all_reduce", state, grads.stage)
+            self._run("all_reduce", state, grads, grads.stage)
         deferred = self.deferred.pop(id(state), None)
         if deferred is not None:
             self._prefetch(deferred.targets, after_reductions=True)
@@ -280,7 +281,7 @@ class BackwardWalk:
             grads = state.unit.grads
             if state.reduces_now and grads.trainable:
                 if grads.state is not GradState.STAGED:
-                    self._run("all_reduce", state, grads.stage)
+                    self._run("all_reduce", state, grads, grads.stage)
                 if self.device.type == "cpu":
                     # The window's wait on CPU (``make_room``): older reductions complete before this one is issued,
                     # also for an input staged in place (an accumulation buffer, filled without ``make_room``): each
@@ -294,21 +295,24 @@ class BackwardWalk:
                     self.reducing.append(state)
             self.reduce_cursor += 1
 
-    def _run(self, kind: str, state: ShardState, call: Callable[[], object]) -> None:
-        """``call()`` for ``state``: a ``kind`` collective it issues must be the program's next one (program.py)."""
-        before = _issued(kind, state)
+    def _run(self, kind: str, state: ShardState, issuer: Issuer, call: Callable[[], object]) -> None:
+        """``call()``: a ``kind`` collective it issues (``issuer.issued``) must be the program's next one."""
+        before = issuer.issued
         call()
-        if self.program is not None and _issued(kind, state) != before:
+        if self.program is not None and issuer.issued != before:
             self.program.expect(kind, state, self.where(state))
 
     def reap(self) -> None:
         """Move the completed reductions on (a check, not a wait), oldest first, up to the first still running: what
         comes next (HSDP's replica all-reduce) goes out in the agreed order on every rank, not in completion order."""
+        still = []
         for state in self.reducing:
-            self._run("all_reduce", state, functools.partial(state.unit.grads.advance, only_if_done=True))
-            if state.unit.grads.state is GradState.REDUCE_SCATTERING:
-                break
-        self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
+            grads = state.unit.grads
+            if not still:
+                self._run("all_reduce", state, grads, functools.partial(grads.advance, only_if_done=True))
+            if grads.state is GradState.REDUCE_SCATTERING:
+                still.append(state)
+        self.reducing = still
 
     def make_room(self) -> None:
         """Before a new reduce-scatter input is filled: on an accelerator fewer than ``max_reduce_inputs`` others
@@ -332,7 +336,7 @@ class BackwardWalk:
                 id(oldest), len(self.gather_order)
             ):
                 return
-            self._run("all_reduce", oldest, oldest.unit.grads.advance)
+            self._run("all_reduce", oldest, oldest.unit.grads, oldest.unit.grads.advance)
             self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
 
     def complete(self) -> None:
@@ -348,10 +352,5 @@ class BackwardWalk:
                 self._finish_unit(state)
         self.issue_reductions(final=True)
         for state in self.reduce_order:  # the reductions overlapped the rest of backward: wait for what is left
-            self._run("all_reduce", state, state.unit.grads.finish)
+            self._run("all_reduce", state, state.unit.grads, state.unit.grads.finish)
         self.reducing = []
-
-
-def _issued(kind: str, state: ShardState) -> int:
-    """How many ``kind`` collectives ``state``'s unit has issued so far (all-gathers, all-reduces over replicas)."""
-    return state.unit.gather.issued if kind == "all_gather" else state.unit.grads.all_reduces_issued

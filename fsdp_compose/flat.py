@@ -378,7 +378,9 @@ class FlatShard:
     def views_intact(self) -> bool:
         """Cheap per-step check (identity only) that every parameter is still ours and still a view into ``flat``."""
         for mp in self.params:
-            if mp.registered() is not mp.sharded or mp.sharded._local_tensor is not mp.local:
+            module, name = mp.owners[0]
+            registered: object = module._parameters.get(name)
+            if registered is not mp.sharded or mp.sharded._local_tensor is not mp.local:
                 return False
         return True
 

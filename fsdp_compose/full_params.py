@@ -142,9 +142,11 @@ class FullParams:
                 mp.full.requires_grad_(mp.trainable)
                 self.hook(mp)
             mp.gathered_version = mp.sharded._version
-            if mp.full is None:
+            full = mp.full
+            if full is None:
                 raise internal_error(f"parameter {mp.fqn}", "mp.full is missing")
-            mp.register(mp.full)
+            for owner, attribute in mp.owners:  # ManagedParam.register, on the hot path
+                owner._parameters[attribute] = full  # type: ignore[assignment]
 
     def _buffer(self, dtype: torch.dtype, group: int = 0) -> FullBuffer:
         """A dtype group's full parameters with storage allocated: built on first use and when the layout, the
@@ -202,9 +204,12 @@ class FullParams:
         for mp in self.shards.params:
             # ``requires_grad_`` the user called while the full parameters were registered belongs to the
             # parameter the module will hold from now on: the trainability check reads the sharded one.
-            if mp.full is not None and mp.registered() is mp.full and mp.full.requires_grad != mp.trainable:
-                mp.sharded.requires_grad_(mp.full.requires_grad)
-            mp.register(mp.sharded)
+            owner, attribute = mp.owners[0]
+            held = mp.full
+            if held is not None and owner._parameters.get(attribute) is held and held.requires_grad != mp.trainable:
+                mp.sharded.requires_grad_(held.requires_grad)
+            for owner, attribute in mp.owners:  # ManagedParam.register, on the hot path
+                owner._parameters[attribute] = mp.sharded  # type: ignore[assignment]
             full_data = mp.full_data
             if (
                 mp.slot is None

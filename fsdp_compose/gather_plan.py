@@ -130,8 +130,9 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def allocate_storage(tensor: torch.Tensor) -> None:
     """Resize ``tensor``'s storage back to its size if a reshard freed it (a no-op when it is allocated)."""
     storage = tensor.untyped_storage()
-    if storage.size() < _nbytes(tensor):
-        storage.resize_(_nbytes(tensor))
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() < nbytes:
+        storage.resize_(nbytes)
 
 
 def _references(tensor: torch.Tensor) -> int:

@@ -38,7 +38,7 @@ from .offload import UnitDevices
 from .sharding import write_param_into_segments
 from .streams import issued_on, record_event, wait_for
 from .subclass_params import shard_mesh
-from .transitions import checked, internal_error
+from .transitions import internal_error, transition_error
 
 __all__ = ["UnitGather", "UnitState"]
 
@@ -135,7 +135,9 @@ class UnitGather:
         self.issued = 0  # all-gathers issued so far (the backward walk checks each against the step's program)
 
     def _to(self, new: UnitState) -> None:
-        self.state = checked(self.state, new, _ALLOWED, f"unit {self.owner_name}")
+        if new not in _ALLOWED[self.state]:
+            raise transition_error(self.state, new, f"unit {self.owner_name}")
+        self.state = new
 
     # ------------------------------------------------------------------ issue
     @_plain_tensors

@@ -145,8 +145,9 @@ class ReduceScatterInput:
         """
         spec = self.spec
         world_size = spec.dp.shard_size
-        if any(slot.dim != 0 for slot in self.layout.slots):
-            return False  # _chunk_cat chunks dim 0; a Shard(k) parameter's chunks are along k
+        for slot in self.layout.slots:
+            if slot.dim != 0:
+                return False  # _chunk_cat chunks dim 0; a Shard(k) parameter's chunks are along k
         grads: list[torch.Tensor] = []
         scalars: list[torch.Tensor] = []
         for mp in self.trainable:

@@ -35,7 +35,7 @@ from .delivery import GradientDelivery, ReduceSpec
 from .flat import ManagedParam, local_grad
 from .grad_input import ReduceScatterInput
 from .sharding import FlatLayout, divide_factors
-from .transitions import checked, internal_error
+from .transitions import internal_error, transition_error
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class UnitGradients:
         # FSDP2's set_reduce_scatter_unused_params(True): a parameter no rank had a gradient for gets a zero
         # ``.grad`` instead of keeping None.
         self.zero_unused = False
-        self.all_reduces_issued = 0  # over replicas, so far (the backward walk checks each against the step's program)
+        self.issued = 0  # over replicas, so far (the backward walk checks each against the step's program)
         self.accumulating = False  # set by the state each forward: a no-sync micro-batch (gradients kept here)
         # A failed step completes its collectives (every rank must) but hands nothing out: set by
         # ``StepContext.abandon``, cleared by ``discard``.
@@ -98,7 +98,9 @@ class UnitGradients:
 
     # ------------------------------------------------------------------ state machine
     def _to(self, new: GradState) -> None:
-        self.state = checked(self.state, new, _ALLOWED, f"gradient pipeline of {self.spec.owner_name}")
+        if new not in _ALLOWED[self.state]:
+            raise transition_error(self.state, new, f"gradient pipeline of {self.spec.owner_name}")
+        self.state = new
 
     def refresh(self, params: list[ManagedParam]) -> None:
         """Rebuild the layout from the parameters' cached ``trainable`` flags (the unit keeps those current)."""
@@ -282,7 +284,7 @@ class UnitGradients:
                 flight.work = all_reduce_hook(flight.output, replicas)
             else:
                 flight.work = all_reduce(flight.output, replicas, async_op=True)
-        self.all_reduces_issued += 1
+        self.issued += 1
         self._to(GradState.ALL_REDUCING)
 
     def finish(self) -> None:

@@ -159,9 +159,3 @@ def as_dp_mesh_dims(dims: object, where: str) -> DataParallelMeshDims | None:
 # See fc.set_backward_prefetch_point.
 PrefetchPoint = Literal["before", "midway", "after"]
 PREFETCH_POINTS: tuple[PrefetchPoint, ...] = ("before", "midway", "after")
-
-
-def reshards_after_forward(setting: bool | int | None, *, is_root: bool) -> bool:
-    """``reshard_after_forward`` as it acts: unset, every unit but the root frees its parameters after forward (the
-    root's are needed first in backward)."""
-    return (not is_root) if setting is None else bool(setting)

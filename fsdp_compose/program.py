@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .policies import reshards_after_forward
+from .meshes import reshards_after_forward
 from .unit import UnitState
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class StepSchedule:
         self.root = root
         named = names or {}
         self.units = [ScheduledUnit(i, s, named.get(id(s), s.unit.owner_name), s is root) for i, s in enumerate(states)]
-        self._names = {id(u.state): u.name for u in self.units}
+        self.names = {id(u.state): u.name for u in self.units}
         self.position = {id(s): i for i, s in enumerate(states)}
         others = [s for s in states if s is not root]
         # The root first: its outputs are the loss's inputs, so its backward hook fires first. It keeps its
@@ -97,7 +97,10 @@ class StepSchedule:
 
     def parameter_count(self) -> int:
         """Parameters of all units (trainable or not: the count every rank has, whatever it froze)."""
-        return sum(len(u.state.unit.params) for u in self.units)
+        count = 0
+        for scheduled in self.units:
+            count += len(scheduled.state.unit.params)
+        return count
 
     @property
     def states(self) -> list[ShardState]:
@@ -114,14 +117,15 @@ class StepSchedule:
         lines = ["forward (registration order; each unit all-gathers when first entered):"]
         for u in self.units:
             lines.append(f"  {u.position:>3} {u.name}: {', '.join(u.collectives()) or 'no collective'}")
-        names = self._names
+        names = self.names
         lines.append("backward all-gathers (gather cursor): " + " -> ".join(names[id(s)] for s in self.gather_order))
         lines.append("reductions (reduce cursor): " + " -> ".join(names[id(s)] for s in self.reduce_order))
         lines.append("each backward: one all-reduce of the units it runs (agreed participation), then only those units")
         lines.append("the program of a step that runs every unit (per process group, in issue order):")
         for phase, program in (("forward", forward_program(self)), ("backward", self.full_backward())):
             for group, ops in program.channels.items():
-                lines.append(f"  {phase}, group {group or '(none)'}:")
+                kinds = ", ".join(dict.fromkeys(op.kind for op in ops))
+                lines.append(f"  {phase}, process group {group or '(none)'} ({kinds}):")
                 lines += [f"    {index:>3} {op}" for index, op in enumerate(ops)]
         return "\n".join(lines)
 
@@ -296,7 +300,7 @@ def backward_program(
     if control is not None:
         parameters = schedule.parameter_count()
         group, world = control
-        root = schedule.root.unit.owner_name
+        root = schedule.names[id(schedule.root)]
         agreement = len(schedule.units) + parameters + world + 2
         control_ops = [
             Operation("agreement", root, "backward", group, world, torch.int64, agreement, id(schedule.root)),
@@ -309,7 +313,7 @@ def backward_program(
     for state in backward_gather_order(schedule, participants):
         if gathers_in_backward(state, live=live, is_root=state is schedule.root):
             unit = state.unit
-            grouped = unit.state is UnitState.GROUP_SHARDED if live else unit.post_forward is not None
+            grouped = unit.gather.state is UnitState.GROUP_SHARDED if live else unit.post_forward is not None
             program.add(_gather(state, names[id(state)], "backward", post_forward=grouped))
     taking_part = {id(s) for s in participants}
     for state in schedule.reduce_order:

@@ -45,7 +45,8 @@ from .autograd_hooks import (
     in_backward,
 )
 from .collectives import labelled
-from .policies import MixedPrecisionPolicy, PrefetchPoint, reshards_after_forward
+from .meshes import reshards_after_forward
+from .policies import MixedPrecisionPolicy, PrefetchPoint
 from .pytrees import map_tensors, tensors_in
 from .unit import ShardedUnit, UnitState
 
@@ -130,17 +131,30 @@ class _Entry:
             return self.anchor.runs_in_this_backward(running)
         if self.inputs is not None:
             nodes = [gradient_node(t) for t in (ref() for ref in self.inputs) if t is not None]
-            return any(n is running or bool(torch._C._will_engine_execute_node(n)) for n in nodes if n is not None)
-        return any(node is running or bool(torch._C._will_engine_execute_node(node)) for node in self.pre_nodes())
+        else:
+            nodes = self.pre_nodes()
+        will_run = torch._C._will_engine_execute_node
+        for node in nodes:
+            if node is not None and (node is running or will_run(node)):
+                return True
+        return False
 
     def pre_nodes(self) -> list[Any]:
         """The output nodes still alive (their graphs may run)."""
-        return [node for node in (ref() for ref in self.pre) if node is not None]
+        alive = []
+        for ref in self.pre:
+            node = ref()
+            if node is not None:
+                alive.append(node)
+        return alive
 
     def outputs_pending(self) -> bool:
         """Does an output of this call still await its backward? A backward that used some outputs only (``o1``'s
         now, ``o2``'s in a later backward) leaves the call to the later one."""
-        return any(not getattr(node, "ran", False) for node in self.pre_nodes())
+        for node in self.pre_nodes():
+            if not getattr(node, "ran", False):
+                return True
+        return False
 
     def post_backward_runs(self) -> bool:
         """Will this backward end the call (run an input node)? Counts the input nodes it runs (``posts_left``)."""
@@ -313,7 +327,7 @@ class ShardState:
     def start_gather(self, *, async_op: bool) -> None:
         """Issue this unit's all-gather in its compute dtype if it needs one (or is gathered in another dtype)."""
         dtype = self.compute_dtype(self.modules[0])
-        if self.unit.state in (UnitState.UNSHARDED, UnitState.GATHERING) and self.unit.compute_dtype != dtype:
+        if self.unit.gather.state in (UnitState.UNSHARDED, UnitState.GATHERING) and self.unit.compute_dtype != dtype:
             self.unit.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
         if self.unit.needs_gather:
             self.unit.start_unshard(dtype, async_op=async_op, stream=self.gather_stream)
@@ -372,7 +386,7 @@ class ShardState:
         self.full_precision_now = self.full_precision_in_eval and not module.training
         # Kept unsharded since an in-place update, or gathered in another precision: gather again.
         stale = unit.is_unsharded and unit.is_stale()
-        if unit.state is not UnitState.SHARDED and (stale or unit.compute_dtype != compute_dtype):
+        if unit.gather.state is not UnitState.SHARDED and (stale or unit.compute_dtype != compute_dtype):
             unit.reshard()
         unit.explicit = False  # an fc.unshard issued before this forward is consumed here
         unit.grads.accumulating = not self.reduces_now

@@ -129,7 +129,7 @@ class StepContext:
             # Anything left gathered is freed (a prefetch nobody used, parameters kept after a forward, a group
             # block): the same on every rank, whatever its garbage collector did with old graphs. Kept only by
             # policy (kept_unsharded) or by fc.unshard (explicit).
-            if not unit.explicit and not state.kept_unsharded and unit.state is not UnitState.SHARDED:
+            if not unit.explicit and not state.kept_unsharded and unit.gather.state is not UnitState.SHARDED:
                 unit.reshard()
             unit.adopt_if_changed()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
             if continuing:
@@ -178,7 +178,9 @@ class StepContext:
         pending = start_agreement(
             self.schedule, self.agreement_group, reached, abandoning=False, checks=checks, expected=expected
         )
-        every_gradient = all(got for (_, mp), got in zip(params, expected, strict=True) if mp.trainable)
+        every_gradient = True
+        for (_, mp), got in zip(params, expected, strict=True):
+            every_gradient = every_gradient and (got or not mp.trainable)
         if not checks and all(reached) and every_gradient and not _acts_on_delivery(self.states):
             agreed = Agreement(reached, expected, [])  # this rank's answer is the union
         else:
@@ -260,11 +262,11 @@ class StepContext:
                 grads.settle()  # the one point where the host waits for device-to-host copies of gradients
                 grads.mark_held()
                 keep = self._keeps_after_backward(state)
-                if not keep and state.unit.state is not UnitState.SHARDED:
+                if not keep and state.unit.gather.state is not UnitState.SHARDED:
                     state.unit.reshard()
-                if state.unit.state is UnitState.GATHERING:
+                if state.unit.gather.state is UnitState.GATHERING:
                     state.unit.finish_unshard()
-                state.kept_unsharded = keep and state.unit.state is UnitState.UNSHARDED
+                state.kept_unsharded = keep and state.unit.gather.state is UnitState.UNSHARDED
                 # The calls this backward ran are consumed; calls it did not run wait for a later backward (a
                 # chunked loss runs the head's backward once per chunk, then the body's).
                 state.ran += [e for e in state.entries if id(e) in bp.consumed and not e.outputs_pending()]
@@ -307,7 +309,7 @@ class StepContext:
         for state in self.states:
             state.unit.grads.delivery.hold = False
             state.unit.grads.discard()
-            if state.unit.state is not UnitState.SHARDED:
+            if state.unit.gather.state is not UnitState.SHARDED:
                 state.unit.reshard()
             state.reset_step()
             state.kept_unsharded = False
@@ -349,7 +351,7 @@ class StepContext:
     def _forget_step(self) -> None:
         for state in self.states:
             state.unit.explicit = False
-            if state.unit.state is not UnitState.SHARDED:
+            if state.unit.gather.state is not UnitState.SHARDED:
                 state.unit.reshard()
             state.reset_step()
             state.kept_unsharded = False
@@ -420,8 +422,9 @@ def _acts_on_delivery(states: list[ShardState]) -> bool:
     for state in states:
         if state.unit.grads.delivery.on_finished is not None:
             return True
-        if any(getattr(mp.sharded, "_post_accumulate_grad_hooks", None) for mp in state.unit.grads.trainable):
-            return True
+        for mp in state.unit.grads.trainable:
+            if getattr(mp.sharded, "_post_accumulate_grad_hooks", None):
+                return True
     return False
 
 
@@ -451,12 +454,11 @@ def _decide_flag_columns(states: list[ShardState], gradient_somewhere: list[bool
     """A unit whose every trainable parameter gets a gradient on some rank reduces without "had a gradient" flags."""
     index = 0
     for state in states:
-        grads = state.unit.grads
-        agreed = gradient_somewhere[index : index + len(state.unit.params)]
-        index += len(state.unit.params)
-        grads.input.flags_needed = not all(
-            got for mp, got in zip(state.unit.params, agreed, strict=True) if mp.trainable
-        )
+        needed = False
+        for mp in state.unit.params:
+            needed = needed or (mp.trainable and not gradient_somewhere[index])
+            index += 1
+        state.unit.grads.input.flags_needed = needed
 
 
 def _recomputes_inside(running_calls: dict[int, list[_Entry]]) -> bool:
@@ -482,7 +484,9 @@ def _recomputes_inside(running_calls: dict[int, list[_Entry]]) -> bool:
         seen.add(id(node))
         if type(node).__name__ == "CheckpointFunctionBackward":
             return True
-        stack.extend(n for n, _ in node.next_functions if n is not None)
+        for following, _ in node.next_functions:
+            if following is not None:
+                stack.append(following)
     return False
 
 

@@ -1,30 +1,24 @@
 """The one rule of every state machine in the engine: a transition outside its table is a bug, never carried on.
 
 Each machine (a unit's gather state, its gradient pipeline, its phase in the step, the root's step) is an enum with
-a table of allowed transitions; ``checked`` is how each of them moves.
+a table of allowed transitions; a move outside it raises ``transition_error``.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from typing import TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["checked", "internal_error"]
-
-_State = TypeVar("_State", bound=enum.Enum)
+__all__ = ["internal_error", "transition_error"]
 
 
-def checked(current: _State, new: _State, allowed: Mapping[_State, frozenset[_State]], what: str) -> _State:
-    """``new`` if the table allows ``current -> new``; otherwise a ``RuntimeError`` naming ``what`` and both states."""
-    if new not in allowed[current]:
-        raise RuntimeError(
-            f"internal error in fsdp_compose: {what} cannot go from {current.value} to {new.value}; please report "
-            "this with the steps that led here"
-        )
-    return new
+def transition_error(current: enum.Enum, new: enum.Enum, what: str) -> RuntimeError:
+    """The error for a move its machine's table does not allow, naming ``what`` and both states."""
+    return RuntimeError(
+        f"internal error in fsdp_compose: {what} cannot go from {current.value} to {new.value}; please report this "
+        "with the steps that led here"
+    )
 
 
 def internal_error(where: str, what: str) -> RuntimeError:

@@ -184,11 +184,11 @@ class ShardedUnit:
 
     @property
     def is_unsharded(self) -> bool:
-        return self.state is UnitState.UNSHARDED
+        return self.gather.state is UnitState.UNSHARDED
 
     @property
     def needs_gather(self) -> bool:
-        return self.state is UnitState.SHARDED or self.state is UnitState.GROUP_SHARDED
+        return self.gather.state is UnitState.SHARDED or self.gather.state is UnitState.GROUP_SHARDED
 
     def start_unshard(self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None = None) -> None:
         """Issue the all-gather in ``dtype`` (``UnitGather.start``); a gather from the shards adopts changes first."""
@@ -212,14 +212,14 @@ class ShardedUnit:
 
     def early_freeable_bytes(self) -> int:
         """The bytes of the full parameters backward may free one by one (see ``FullParams.free_early``)."""
-        if self.state is not UnitState.UNSHARDED:
+        if self.gather.state is not UnitState.UNSHARDED:
             return 0
         return self.gather.fulls.early_freeable_bytes(self.grads.trainable)
 
     def free_early(self, mp: ManagedParam) -> int:
         """Free one full parameter whose gradient is made, before the rest of the unit (see
         ``FullParams.free_early``); the bytes freed (0: kept until the unit reshards)."""
-        if self.state is not UnitState.UNSHARDED:
+        if self.gather.state is not UnitState.UNSHARDED:
             return 0
         return self.gather.fulls.free_early(mp)
 
@@ -240,7 +240,7 @@ class ShardedUnit:
     def adopt_if_changed(self) -> None:
         """Pick up parameters replaced or cast since the last gather (see ``FlatShard.adopt``). Runs at the start of
         every step, before anything picks a compute dtype from the parameters' dtype, and before each gather."""
-        if self.state is not UnitState.SHARDED:
+        if self.gather.state is not UnitState.SHARDED:
             return
         if self.shards.defer_hookless:  # FSDP2's all-gather hooks: read again before the first gather (torch too)
             self.shards.read_hooks(_added_hooks_check(self))
@@ -269,7 +269,10 @@ class ShardedUnit:
         return mp.sharded.requires_grad
 
     def trainability_changed(self) -> bool:
-        return any(self.current_requires_grad(mp) != mp.trainable for mp in self.params)
+        for mp in self.params:
+            if self.current_requires_grad(mp) != mp.trainable:
+                return True
+        return False
 
     def refresh_trainable(self) -> bool:
         """Catch up with ``requires_grad`` changes: which parameters get full gradients and are reduced, and (under
@@ -314,7 +317,7 @@ class ShardedUnit:
 
         Returns the (module, attribute) pairs that held it; the caller registers its own parameter there.
         """
-        if self.state is not UnitState.SHARDED or self.grads.has_pending():
+        if self.gather.state is not UnitState.SHARDED or self.grads.has_pending():
             raise RuntimeError(f"cannot move a tied parameter out of {self.owner_name} while it is in use")
         released = self.shards.release(original)
         self.grads.refresh(self.params)
@@ -324,10 +327,10 @@ class ShardedUnit:
     def copy_for(self, memo: dict[int, Any]) -> ShardedUnit:
         """This unit for a ``copy.deepcopy`` of its modules: same mesh and groups, the copied parameters (adopted at
         the first gather), its own copy of the extensions (hooks may keep state, e.g. error feedback)."""
-        if self.state is not UnitState.SHARDED:
+        if self.gather.state is not UnitState.SHARDED:
             raise RuntimeError(
-                f"copy.deepcopy of a sharded module while its unit {self.owner_name} is {self.state.value}; call "
-                "fc.reshard(module) first (units are resharded between training steps)"
+                f"copy.deepcopy of a sharded module while its unit {self.owner_name} is {self.gather.state.value}; "
+                "call fc.reshard(module) first (units are resharded between training steps)"
             )
         new = object.__new__(ShardedUnit)
         new.__dict__.update(self.__dict__)

@@ -305,7 +305,7 @@ class BackwardWalk:
     def reap(self) -> None:
         """Move the completed reductions on (a check, not a wait), oldest first, up to the first still running: what
         comes next (HSDP's replica all-reduce) goes out in the agreed order on every rank, not in completion order."""
-        still = []
+        still: list[ShardState] = []
         for state in self.reducing:
             grads = state.unit.grads
             if not still:

@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .api import get_state
 from .extensions import ShardExtensions
 from .flat import MOVED_ATTR, OWNER_ATTR
-from .fsdp2 import bind_fsdp2_methods
+from .integrations.fsdp2 import bind_fsdp2_methods
 from .meshes import (
     check_dp_mesh,
     dp_mesh_from_dims,

@@ -1,6 +1,7 @@
-"""``torch.distributed.pipelining`` over stages sharded by fsdp_compose (``fsdp_compose.pipelining.PipelineStage``),
-side by side with torch's ``fully_shard`` under torch's ``PipelineStage``: 2 pipeline x 2 data-parallel gloo ranks,
-4 micro-batches, torch's own GPipe, 1F1B and Interleaved1F1B schedules.
+"""``torch.distributed.pipelining`` over stages sharded by fsdp_compose
+(``fsdp_compose.integrations.pipelining.PipelineStage``), side by side with torch's ``fully_shard`` under torch's
+``PipelineStage``: 2 pipeline x 2 data-parallel gloo ranks, 4 micro-batches, torch's own GPipe, 1F1B and
+Interleaved1F1B schedules.
 
 Per step after the first (the first also runs pipelining's metadata inference, a real forward and backward per
 stage): the same parameters, the same all-gathers (count and bytes) and the same number of reduce-scatters, one per
@@ -19,7 +20,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 import fsdp_compose as fc
-from fsdp_compose.pipelining import PipelineStage as FcPipelineStage
+from fsdp_compose.integrations.pipelining import PipelineStage as FcPipelineStage
 from tests.dist_utils import full_value, mesh_nd
 from tests.integration.counting import totals
 

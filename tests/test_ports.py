@@ -16,7 +16,7 @@ import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 
 import fsdp_compose as fc
-from fsdp_compose.ports import PORTS
+from fsdp_compose.integrations.ports import PORTS
 from fsdp_compose.state import states_under
 from tests.dist_utils import mesh_1d
 

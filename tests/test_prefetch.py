@@ -240,7 +240,9 @@ def test_backward_prefetch_point_rejects_unknown_points() -> None:
 
 def _reductions_in_flight(rank: int, ws: int, max_inputs: int) -> dict[str, Any]:
     """The most reduce-scatters issued and not yet waited for at once, over steps that accumulate two micro-batches."""
-    from fsdp_compose.fsdp2 import _set_reduce_scatter_max_input_buffers  # model.set_... under fsdp2_methods=True
+    from fsdp_compose.integrations.fsdp2 import (
+        _set_reduce_scatter_max_input_buffers,  # model.set_... under fsdp2_methods=True
+    )
 
     cfg = GPTConfig(n_layers=4)
     reference, model = reference_and_copy(cfg)

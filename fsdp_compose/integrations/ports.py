@@ -42,9 +42,10 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import api, fsdp2
-from .init import fully_shard as _fully_shard
-from .state import states_under
+from .. import api
+from ..init import fully_shard as _fully_shard
+from ..state import states_under
+from . import fsdp2
 
 __all__ = ["PORTS", "ported"]
 

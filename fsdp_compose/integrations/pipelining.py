@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
-from .api import set_requires_all_reduce, set_requires_gradient_sync, set_reshard_after_backward
-from .state import states_under
-from .unit import UnitState
+from ..api import set_requires_all_reduce, set_requires_gradient_sync, set_reshard_after_backward
+from ..state import states_under
+from ..unit import UnitState
 
 __all__ = ["PipelineStage"]
 
@@ -40,8 +40,8 @@ class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` for a stage module sharded by ``fc.fully_shard`` (same constructor).
 
     Replace ``from torch.distributed.pipelining import PipelineStage`` by
-    ``from fsdp_compose.pipelining import PipelineStage``; the schedules (``ScheduleGPipe``, ``Schedule1F1B``,
-    ``ScheduleInterleaved1F1B``, ...) are torch's, unchanged.
+    ``from fsdp_compose.integrations.pipelining import PipelineStage``; the schedules (``ScheduleGPipe``,
+    ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ...) are torch's, unchanged.
     """
 
     def _uses_fsdp_compose(self) -> bool:
@@ -67,10 +67,10 @@ class PipelineStage(_TorchPipelineStage):
     ) -> None:
         if not full_backward and self._uses_fsdp_compose():
             raise NotImplementedError(
-                f"fsdp_compose.pipelining.PipelineStage (stage {self.stage_index}): this schedule splits backward "
-                "into an input pass and a weight pass (zero bubble); an fsdp_compose unit reduces its gradients and "
-                "frees its full parameters when its inputs' gradients exist, before the weight pass. Use a schedule "
-                "with full backward (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)"
+                f"fsdp_compose.integrations.pipelining.PipelineStage (stage {self.stage_index}): this schedule splits "
+                "backward into an input pass and a weight pass (zero bubble); an fsdp_compose unit reduces its "
+                "gradients and frees its full parameters when its inputs' gradients exist, before the weight pass. "
+                "Use a schedule with full backward (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)"
             )
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 

@@ -32,9 +32,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import api
-from .api import get_state
-from .state import states_under
+from .. import api
+from ..api import get_state
+from ..state import states_under
 
 __all__ = ["FSDP2_METHOD_NAMES", "bind_fsdp2_methods", "has_fsdp2_methods", "share_comm_ctx"]
 

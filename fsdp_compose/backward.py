@@ -65,7 +65,9 @@ class BackwardWalk:
     consumed: set[int]  # ids of the entries (forward calls) this backward runs: dropped at its end
     draining: bool  # this backward reduces gradients held over no-sync micro-batches: no implicit prefetch
     max_reduce_inputs: int  # set_reduce_scatter_max_input_buffers of the root
-    device: torch.device
+    # A wait on a collective only orders streams (an accelerator), or it blocks the host until every peer issued it
+    # (gloo on a CPU device): ``StepContext.accelerated``.
+    accelerated: bool
     where: Callable[[ShardState | None], str]  # rank, unit and step position, for internal errors
     # id -> the gather position the cursor must have passed before a wait for its reduction may block (make_room)
     wait_after: dict[int, int] = field(default_factory=dict)
@@ -177,7 +179,7 @@ class BackwardWalk:
         deferred = self.deferred.get(id(state))
         if deferred is None or deferred.freed is None or total < deferred.freed:
             return
-        if self.device.type == "cpu":
+        if not self.accelerated:
             # gloo reports a reduce-scatter complete only once it is waited for: wait (where ``issue_reductions``
             # may; the unit's reduce-scatter would wait for it anyway). On an accelerator a check: a wait would stall
             # compute.
@@ -230,7 +232,7 @@ class BackwardWalk:
             # (``_may_wait_for_landing``), else only if the all-gather has arrived already.
             unit = prefetched.unit
             if unit.gather.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
-                if self.device.type != "cpu" or unit.gather_arrived() or self._may_wait_for_landing(state):
+                if self.accelerated or unit.gather_arrived() or self._may_wait_for_landing(state):
                     prefetched.gather_now()
         state.opened = False
         grads = state.unit.grads
@@ -282,7 +284,7 @@ class BackwardWalk:
             if state.reduces_now and grads.trainable:
                 if grads.state is not GradState.STAGED:
                     self._run("all_reduce", state, grads, grads.stage)
-                if self.device.type == "cpu":
+                if not self.accelerated:
                     # The window's wait on CPU (``make_room``): older reductions complete before this one is issued,
                     # also for an input staged in place (an accumulation buffer, filled without ``make_room``): each
                     # in flight holds gloo's copy of its input. On an accelerator the wait came before the filling,
@@ -322,7 +324,7 @@ class BackwardWalk:
         reduce-scatter is issued (``issue_reductions``, docs/schedule.md "The reduce-scatter window"), once this rank
         has issued every backward all-gather a peer may need first (``wait_after``): memory, never a hang.
         """
-        if self.device.type == "cpu":
+        if not self.accelerated:
             self.reap()
             return
         self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
@@ -332,9 +334,7 @@ class BackwardWalk:
         self.reap()
         while len(self.reducing) > keep:
             oldest = self.reducing[0]
-            if self.device.type == "cpu" and self.gather_cursor <= self.wait_after.get(
-                id(oldest), len(self.gather_order)
-            ):
+            if not self.accelerated and self.gather_cursor <= self.wait_after.get(id(oldest), len(self.gather_order)):
                 return
             self._run("all_reduce", oldest, oldest.unit.grads, oldest.unit.grads.advance)
             self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]

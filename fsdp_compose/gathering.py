@@ -233,10 +233,12 @@ class UnitGather:
             raise internal_error(f"unit {self.owner_name}", "self.post_forward is missing")
         numel = self.world_size * self.shards.layout.segment_numel
         gathered = torch.empty(numel, dtype=block.dtype, device=block.device)
-        with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"):
-            work = all_gather_flat(gathered, block.view(-1), self.post_forward.group, async_op=async_op)
-        self._pending_gather = _PendingGather(work, gathered, block, encoded=False)
-        self.issued += 1
+        work = None
+        if numel > 0:  # a unit of kept-whole parameters only has nothing to gather
+            with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"):
+                work = all_gather_flat(gathered, block.view(-1), self.post_forward.group, async_op=async_op)
+        self._pending_gather = _PendingGather(work, gathered, block, encoded=False, collective=numel > 0)
+        self.issued += numel > 0
         self._to(UnitState.GATHERING)
 
     # ------------------------------------------------------------------ wait and copy out

@@ -301,7 +301,7 @@ def backward_program(
         parameters = schedule.parameter_count()
         group, world = control
         root = schedule.names[id(schedule.root)]
-        agreement = len(schedule.units) + parameters + world + 2
+        agreement = 2 * len(schedule.units) + parameters + world + 2
         control_ops = [
             Operation("agreement", root, "backward", group, world, torch.int64, agreement, id(schedule.root)),
             Operation("closing_word", root, "backward", group, world, torch.int64, world + 2, id(schedule.root)),

@@ -26,6 +26,7 @@ first hook only where the answer changes what it issues (``StepContext.begin_bac
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,9 @@ class Agreement:
     participants: list[bool]  # per unit (registration order): some rank runs it in this backward
     gradient_somewhere: list[bool]  # per parameter (units in order, then their params): some rank expects a gradient
     quitting: list[int]  # ranks that abandoned the step
+    # per unit: the layout some rank holds partial gradients in (2: with "had a gradient" columns, 1: without, 0: no
+    # rank holds any). A window's later buffers must take it on every rank (``step._decide_flag_columns``).
+    held_layout: list[int] = dataclasses.field(default_factory=list)
 
 
 def agreement_group(dp: DataParallelMesh) -> dist.ProcessGroup | None:
@@ -80,13 +84,14 @@ class PendingAgreement:
         work: Work | None,
         reached: list[bool],
         expected: list[bool],
+        held: list[int],
         *,
         abandoning: bool,
         checks: bool,
         owner: str,
     ) -> None:
         self.values, self.work = values, work
-        self.reached, self.expected = reached, expected
+        self.reached, self.expected, self.held = reached, expected, held
         self.abandoning, self.checks, self.owner = abandoning, checks, owner
         self._result: Agreement | None = None
 
@@ -114,15 +119,16 @@ class PendingAgreement:
         me = dist.get_rank() if dist.is_initialized() else 0
         values = self.values
         if values is None:  # this rank is the only data-parallel rank
-            return Agreement(self.reached, self.expected, [me] if self.abandoning else [])
+            return Agreement(self.reached, self.expected, [me] if self.abandoning else [], self.held)
         self.wait()
         if is_fake(values):
             # The planner simulates one rank of identical ones (FakeTensorMode, fake process group): what this rank
             # runs is what every rank runs.
-            return Agreement(self.reached, self.expected, [me] if self.abandoning else [])
+            return Agreement(self.reached, self.expected, [me] if self.abandoning else [], self.held)
         result = values.tolist()
         world = dist.get_world_size()
-        n = len(self.reached) + len(self.expected)
+        masks = len(self.reached) + len(self.expected)
+        n = masks + len(self.held)
         quitting = [rank for rank in range(world) if result[n + rank]]
         if self.checks and not quitting and result[n + world] != -result[n + world + 1]:
             raise RuntimeError(
@@ -131,7 +137,8 @@ class PendingAgreement:
                 "the same changes at the same step. fc.describe_schedule(model) on each rank shows what differs"
             )
         participants = [bool(v) for v in result[: len(self.reached)]]
-        return Agreement(participants, [bool(v) for v in result[len(self.reached) : n]], quitting)
+        expected = [bool(v) for v in result[len(self.reached) : masks]]
+        return Agreement(participants, expected, quitting, [int(v) for v in result[masks:n]])
 
 
 def start_agreement(
@@ -142,14 +149,17 @@ def start_agreement(
     abandoning: bool,
     checks: bool,
     expected: list[bool] | None = None,
+    held: list[int] | None = None,
 ) -> PendingAgreement:
     """Issue the all-reduce (MAX) of this rank's participation mask, the parameters it expects gradients for
-    (``expected``, one per ``parameter_count``; None: none), whether it abandons the step, and (with collective
-    checks) the schedule's fingerprint, over ``group`` (``agreement_group``). Nothing waits for it here."""
+    (``expected``, one per ``parameter_count``; None: none), the layout it holds partial gradients in per unit
+    (``held``, ``Agreement.held_layout``; None: none), whether it abandons the step, and (with collective checks) the
+    schedule's fingerprint, over ``group`` (``agreement_group``). Nothing waits for it here."""
     expected = expected if expected is not None else [False] * schedule.parameter_count()
+    held = held if held is not None else [0] * len(schedule.units)
     owner = schedule.root.unit.owner_name
     if group is None:
-        return PendingAgreement(None, None, reached, expected, abandoning=abandoning, checks=checks, owner=owner)
+        return PendingAgreement(None, None, reached, expected, held, abandoning=abandoning, checks=checks, owner=owner)
     world = dist.get_world_size()
     fingerprint = schedule.fingerprint() if checks else 0
     # [mask..., abandoning ranks..., fingerprint, -fingerprint]: one MAX gives the union, the set of ranks that
@@ -157,7 +167,7 @@ def start_agreement(
     flags = [0] * world
     if abandoning:
         flags[dist.get_rank()] = 1
-    row = [*map(int, reached), *map(int, expected), *flags, fingerprint, -fingerprint]
+    row = [*map(int, reached), *map(int, expected), *held, *flags, fingerprint, -fingerprint]
     values = torch.tensor(row, dtype=torch.int64, device=schedule.root.device)
     work = all_reduce_max(values, group, async_op=True)
-    return PendingAgreement(values, work, reached, expected, abandoning=abandoning, checks=checks, owner=owner)
+    return PendingAgreement(values, work, reached, expected, held, abandoning=abandoning, checks=checks, owner=owner)

@@ -81,6 +81,10 @@ class StepContext:
         self.draining = False
         # All-gather copy-in and issue overlap compute on this side stream (None on a CPU device: streams.py).
         self.gather_stream = side_stream(root.device)
+        # The walk's waits take the accelerator's side (backward.BackwardWalk). Derived from the device; the tests set
+        # it on a CPU root to run that side on gloo, where each wait blocks the host: stricter than a stream wait, so
+        # a wait cycle between ranks' streams shows as a hang there.
+        self.accelerated = root.device.type != "cpu"
         for state in states:
             state.unit.grads.make_room = self.make_room
             state.unit.on_gradient = functools.partial(self.gradient_made, state)
@@ -169,21 +173,8 @@ class StepContext:
         running_calls = {
             id(s): [e for e in (*s.entries, *s.ran) if e.runs_in_this_backward(running)] for s in self.states
         }
-        reached = [bool(running_calls[id(state)]) for state in self.states]
-        checks = any(state.collective_checks for state in self.states)
-        # Per parameter: will this rank have a gradient for it (its unit's reduce-scatter needs no flags when some
-        # rank will, for every trainable parameter of the unit)
-        params = [(s, mp) for s in self.states for mp in s.unit.params]
-        expected = [mp.trainable and s.unit.grads.input.expects_gradient(mp) for s, mp in params]
-        pending = start_agreement(
-            self.schedule, self.agreement_group, reached, abandoning=False, checks=checks, expected=expected
-        )
-        every_gradient = True
-        for (_, mp), got in zip(params, expected, strict=True):
-            every_gradient = every_gradient and (got or not mp.trainable)
-        if not checks and all(reached) and every_gradient and not _acts_on_delivery(self.states):
-            agreed = Agreement(reached, expected, [])  # this rank's answer is the union
-        else:
+        pending, agreed = _agree(self, [bool(running_calls[id(state)]) for state in self.states])
+        if agreed is None:
             try:
                 agreed = pending.result()
             except RuntimeError:
@@ -193,7 +184,7 @@ class StepContext:
         for state in self.states:
             # Until the final callback knows no rank abandoned the step, reduced rows wait there (delivery.py).
             state.unit.grads.delivery.hold = not pending.known or bool(agreed.quitting)
-        _decide_flag_columns(self.states, agreed.gradient_somewhere)
+        _decide_flag_columns(self.states, agreed)
         for state in self.states:
             state.recomputes_due = sum(1 for e in running_calls[id(state)] if e.inputs is not None)
         self.backward = _build_walk(self, agreed.participants, running_calls, running)
@@ -339,7 +330,10 @@ class StepContext:
             # of the step it abandons: either way they meet in the backward's agreement, and the step then ends on
             # every rank (another reset_step has nothing left to do).
             reached = [False] * len(self.states)
-            pending = start_agreement(self.schedule, self.agreement_group, reached, abandoning=True, checks=False)
+            held = _held_layouts(self.states)
+            pending = start_agreement(
+                self.schedule, self.agreement_group, reached, abandoning=True, checks=False, held=held
+            )
             agreed = pending.result()
             if any(agreed.participants):
                 self.backward = _zero_walk(self, agreed, replayed=replayed)
@@ -376,7 +370,9 @@ def _closing_word(step: StepContext, *, abandoning: bool, program: Program | Non
     """The ranks that abandoned this backward after its agreement (an exception inside it, then ``fc.reset_step``):
     one small all-reduce, issued by every rank once its walk is complete (docs/schedule.md, "The end of a step").
     Then every operation of the backward's ``program`` has been issued."""
-    word = start_agreement(step.schedule, step.agreement_group, [], abandoning=abandoning, checks=False, expected=[])
+    word = start_agreement(
+        step.schedule, step.agreement_group, [], abandoning=abandoning, checks=False, expected=[], held=[]
+    )
     if program is not None:
         if step.agreement_group is not None:
             program.expect("closing_word", step.root, step._where())
@@ -408,7 +404,7 @@ def _build_walk(
         consumed={id(e) for calls in running_calls.values() for e in calls},
         draining=step.draining,
         max_reduce_inputs=step.root.max_reduce_inputs,
-        device=step.root.device,
+        accelerated=step.accelerated,
         where=step._where,
         wait_after=_wait_after(gather_order),
         graph_task=graph_task() if here and not _recomputes_inside(running_calls) else None,
@@ -432,7 +428,7 @@ def _zero_walk(step: StepContext, agreed: Agreement, *, replayed: bool) -> Backw
     """The walk of the others' backward, for this rank to complete with zeros (``_as_after_forward``)."""
     if replayed:
         _as_after_forward(step.states)
-    _decide_flag_columns(step.states, agreed.gradient_somewhere)
+    _decide_flag_columns(step.states, agreed)
     walk = _build_walk(step, agreed.participants, {})
     if replayed:
         walk.gathered |= {id(s) for s in walk.gather_order if not s.reshard_after_forward}
@@ -450,15 +446,54 @@ def _as_after_forward(states: list[ShardState]) -> None:
             state.unit.reshard()
 
 
-def _decide_flag_columns(states: list[ShardState], gradient_somewhere: list[bool]) -> None:
-    """A unit whose every trainable parameter gets a gradient on some rank reduces without "had a gradient" flags."""
-    index = 0
+def _agree(step: StepContext, reached: list[bool]) -> tuple[PendingAgreement, Agreement | None]:
+    """Issue the backward's agreement (``reached``: the units this rank runs in it), and this rank's own answer where
+    it is the union (None: read the agreement now, since the answer changes what this rank issues)."""
+    checks = any(state.collective_checks for state in step.states)
+    # Per parameter: will this rank have a gradient for it (its unit's reduce-scatter needs no flags when some rank
+    # will, for every trainable parameter of the unit)
+    params = [(s, mp) for s in step.states for mp in s.unit.params]
+    expected = [mp.trainable and s.unit.grads.input.expects_gradient(mp) for s, mp in params]
+    held = _held_layouts(step.states)
+    pending = start_agreement(
+        step.schedule, step.agreement_group, reached, abandoning=False, checks=checks, expected=expected, held=held
+    )
+    every_gradient = True
+    for (_, mp), got in zip(params, expected, strict=True):
+        every_gradient = every_gradient and (got or not mp.trainable)
+    # Inside an accumulation window a rank holding nothing for a unit takes the layout other ranks hold it in.
+    layouts_known = not step.gradients_held or all(held)
+    if not checks and all(reached) and every_gradient and layouts_known and not _acts_on_delivery(step.states):
+        return pending, Agreement(reached, expected, [], held)
+    return pending, None
+
+
+def _held_layouts(states: list[ShardState]) -> list[int]:
+    """Per unit, the layout this rank holds partial gradients in (``Agreement.held_layout``)."""
+    found = []
     for state in states:
+        grads = state.unit.grads
+        if not grads.trainable:
+            found.append(3)  # nothing to reduce: no layout to agree on (3: "known", for the check in begin_backward)
+        elif grads.input.buffer is None and grads.replica_partial is None:
+            found.append(0)
+        else:
+            found.append(2 if grads.input.flagged else 1)
+    return found
+
+
+def _decide_flag_columns(states: list[ShardState], agreed: Agreement) -> None:
+    """A unit whose every trainable parameter gets a gradient on some rank reduces without "had a gradient" flags;
+    inside an accumulation window every rank takes the layout some rank already holds (it was decided at the
+    window's first backward, when every rank decided alike, but a rank that got no gradient then holds nothing)."""
+    index = 0
+    for unit_index, state in enumerate(states):
         needed = False
         for mp in state.unit.params:
-            needed = needed or (mp.trainable and not gradient_somewhere[index])
+            needed = needed or (mp.trainable and not agreed.gradient_somewhere[index])
             index += 1
-        state.unit.grads.input.flags_needed = needed
+        layout = agreed.held_layout[unit_index] if agreed.held_layout else 0
+        state.unit.grads.input.flags_needed = needed if layout in (0, 3) else layout == 2
 
 
 def _recomputes_inside(running_calls: dict[int, list[_Entry]]) -> bool:

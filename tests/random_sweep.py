@@ -5,6 +5,7 @@
     python -m tests.random_sweep --seeds 9,23 --shrink        # shrink each failure (same symptom, simpler config)
     python -m tests.random_sweep --seeds 0:80 --set full_precision_eval=False   # leave a drawn dimension out
     python -m tests.random_sweep --config "CaseConfig(...)" -v   # re-run one printed configuration, full report
+    python -m tests.random_sweep --seeds 0:40 --accelerator-side  # the walk's waits as on an accelerator
 
 A case passes when the sharded parameters match the single-process reference after every step (fp32 1e-5, bf16
 2e-2, relative to 1 + |value|), every rank issued the same collectives (kind, numel) in the same order on every
@@ -174,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jsonl", default=None, help="append one JSON line per case here")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every failure's full report")
     parser.add_argument(
+        "--accelerator-side",
+        action="store_true",
+        help="take the accelerator side of the backward walk's waits (tests/test_accelerator_path.py)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -197,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     def run(ws: int, fn: Any, *fargs: Any) -> list[Any]:
         if ws not in pools:
             pools[ws] = WorkerPool(ws)
+        if args.accelerator_side:
+            from tests.test_accelerator_path import _on_accelerator_side
+
+            fn, fargs = _on_accelerator_side, (fn, *fargs)
         return pools[ws].run(fn, *fargs, timeout=args.timeout)
 
     def attempt(cfg: CaseConfig) -> str:

@@ -601,6 +601,41 @@ FOUND_BY_THE_SWEEP = {
     # sharded accumulation, explicit prefetch pairs): a rank landing its midway prefetch at a unit's end waited
     # (blocking, on gloo) for an all-gather its peer issues only after this rank's next reduce-scatter: a hang
     "landing_a_midway_prefetch_waited_for_a_peer": config_from_seed(105, 2),
+    # a unit holding only kept-whole parameters (a 0-dim one) with reshard_after_forward=2 all-gathered nothing over
+    # its post-forward group in every backward: an empty collective the backward's program does not list (an
+    # internal error since the walk checks each collective against it)
+    "empty_post_forward_all_gather": config_from_seed(152, 4),
+    # a side unit only even ranks run, bf16, 3 micro-batches: an eval forward with grad between the last forward and
+    # its backward made that backward need "had a gradient" columns; the even rank's accumulation buffer (from the
+    # first micro-batch) had none, the odd rank's new one had them: reduce-scatters of 12 and 14 elements, gloo aborted
+    "window_layout_of_a_rank_holding_nothing": CaseConfig(
+        ws=2,
+        seed=13,
+        steps=3,
+        batch=1,
+        micro_batches=3,
+        accumulation="unsharded",
+        blocks=(
+            BlockSpec(
+                (LayerSpec("conv", 7), LayerSpec("mlp", 5)),
+                True,
+                inner=(LayerSpec("tied", 3),),
+                inner_raf=False,
+                calls=2,
+                output="tensor",
+            ),
+        ),
+        embed_unit=False,
+        side="even",
+        side_unit=True,
+        mp="all",
+        frozen_params="shard",
+        optimizer="adamw",
+        clip=1.0,
+        head_raf=True,
+        mid_evals=((2, "grad"),),
+        full_precision_eval=True,
+    ),
     "chunked_loss_backward_fault_leak": CaseConfig(
         ws=1,
         steps=1,

@@ -262,7 +262,7 @@ def test_bound_method_names_are_torchs_fsdp_module_methods() -> None:
     # plus one private method FSDP2's own tests and some trainers call
     for name in (*fc.FSDP2_METHOD_NAMES, "_set_unshard_async_op"):  # same parameters: calls bind the same way
         theirs = list(inspect.signature(getattr(torch_fsdp.FSDPModule, name)).parameters.values())[1:]
-        ours = list(inspect.signature(fc.fsdp2._METHODS[name]).parameters.values())[1:]
+        ours = list(inspect.signature(fc.integrations.fsdp2._METHODS[name]).parameters.values())[1:]
         if [p.kind for p in ours] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]:
             continue  # one of the two that raise NotImplementedError whatever the arguments
         assert [(p.name, p.kind) for p in ours] == [(p.name, p.kind) for p in theirs], name

@@ -105,8 +105,9 @@ class BackwardWalk:
         if target is None:
             if id(state) in self.done:
                 raise RuntimeError(f"internal error in fsdp_compose: {self.where(state)} gathered after its backward")
-            # run by this backward although no entry said so (a forward inside it)
-            self._run("all_gather", state, state.unit.gather, state.gather_now)
+            # Run by this backward although no forward entry said so (a forward inside it, a unit nested in a
+            # recomputed one): every rank gathers it here alike, outside the compiled program (not checked).
+            state.gather_now()
             return
         self._advance_gathers(target, needed=state)
         if id(state) not in self.done and state.unshard_in_backward:
@@ -227,12 +228,12 @@ class BackwardWalk:
             state.unit.reshard()
         for prefetched in self.landing.pop(id(state), []):
             # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
-            # then it never meets this unit's reduce-scatter input and output (issued next). On a CPU device the
-            # wait blocks the host: only where no peer can be waiting for a reduction this rank has not issued yet
-            # (``_may_wait_for_landing``), else only if the all-gather has arrived already.
+            # then it never meets this unit's reduce-scatter input and output (issued next). On every device only
+            # where no peer can be waiting for a reduction this rank has not issued yet (``_may_wait_for_landing``),
+            # or if the all-gather has arrived already: a stream wait there can close a cycle between two ranks.
             unit = prefetched.unit
             if unit.gather.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
-                if self.accelerated or unit.gather_arrived() or self._may_wait_for_landing(state):
+                if unit.gather_arrived() or self._may_wait_for_landing(state):
                     prefetched.gather_now()
         state.opened = False
         grads = state.unit.grads
@@ -319,10 +320,10 @@ class BackwardWalk:
     def make_room(self) -> None:
         """Before a new reduce-scatter input is filled: on an accelerator fewer than ``max_reduce_inputs`` others
         may stay alive (``set_reduce_scatter_max_input_buffers``, FSDP2's meaning; default 1: the previous
-        reduce-scatter completes before the next input is filled); there a wait only orders streams. On a CPU device
-        a wait blocks the host: here only what completed is freed (``reap``), and the wait comes just before the new
-        reduce-scatter is issued (``issue_reductions``, docs/schedule.md "The reduce-scatter window"), once this rank
-        has issued every backward all-gather a peer may need first (``wait_after``): memory, never a hang.
+        reduce-scatter completes before the next input is filled). On a CPU device a wait blocks the host: here only
+        what completed is freed (``reap``); the wait comes just before the new reduce-scatter is issued
+        (``issue_reductions``, docs/schedule.md "The reduce-scatter window"). Either way only once this rank issued
+        every backward all-gather a peer may need first (``wait_after``): memory, never a cycle between ranks.
         """
         if not self.accelerated:
             self.reap()
@@ -330,11 +331,11 @@ class BackwardWalk:
         self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
 
     def _wait_for_reductions(self, *, keep: int) -> None:
-        """Complete the oldest reductions in flight until at most ``keep`` remain (see ``make_room``)."""
+        """Complete the oldest reductions in flight until at most ``keep`` remain (``make_room``, ``wait_after``)."""
         self.reap()
         while len(self.reducing) > keep:
             oldest = self.reducing[0]
-            if not self.accelerated and self.gather_cursor <= self.wait_after.get(id(oldest), len(self.gather_order)):
+            if self.gather_cursor <= self.wait_after.get(id(oldest), len(self.gather_order)):
                 return
             self._run("all_reduce", oldest, oldest.unit.grads, oldest.unit.grads.advance)
             self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]

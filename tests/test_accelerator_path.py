@@ -88,6 +88,9 @@ CASES = {
     **{f"shape_{name}": cfg for name, cfg in GRAPH_SHAPES.items()},
     **{f"found_{name}": cfg for name, cfg in FOUND_BY_THE_SWEEP.items() if cfg.ws > 1},
     **{f"seed_{seed}_ws{ws}": config_from_seed(seed, ws) for seed, ws in ((3, 2), (11, 2), (105, 2), (7, 4))},
+    # the accelerator side waited (a stream wait; here a host wait) on a reduce-scatter its peer issues only after an
+    # all-gather it needs from this rank: a hang, before the wait_after and landing guards applied on every device
+    "wait_cycle_seed_350": config_from_seed(350, 2),
 }
 
 

@@ -85,6 +85,8 @@ class BackwardWalk:
     # id -> the units a unit prefetched midway: their all-gathers land at its end, before its gradients are staged
     landing: dict[int, list[ShardState]] = field(default_factory=dict)
     program: Program | None = None  # this backward's collectives (program.py): each one issued is checked against it
+    # id -> (all-reduce over replicas, synchronising) of the units reducing in this backward, as set when it began
+    reduces: dict[int, tuple[bool, bool]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.positions = {id(s): index for index, s in enumerate(self.gather_order)}
@@ -237,7 +239,7 @@ class BackwardWalk:
                     prefetched.gather_now()
         state.opened = False
         grads = state.unit.grads
-        if not state.reduces_now:
+        if id(state) not in self.reduces:
             grads.accumulate()
         elif grads.trainable:
             self._run("all_reduce", state, grads, grads.stage)
@@ -248,14 +250,10 @@ class BackwardWalk:
     def _may_wait_for_landing(self, state: ShardState) -> bool:
         """May this rank block, at the end of ``state``, on the all-gather ``state`` prefetched midway?
 
-        A peer issues that all-gather at the latest when its gather cursor passes ``state`` (a peer that does not run
-        it) or at the end of its own backward of ``state``, before reducing it. Until then the only collectives it
-        may block on are all-gathers up to ``state`` (this rank issued them: its cursor is past ``state``) and
-        reductions of units before ``state`` in the reduce order. So the wait is safe once this rank has issued
-        every one of those: its reduce cursor has reached ``state``. In a model run in registration order that is
-        always so. Otherwise (a unit earlier in the reduce order still to finish here: the random sweep meets a few)
-        the copy-out happens here only if the all-gather has arrived, else at its pre-backward: memory, never a
-        hang."""
+        A peer issues it at the latest when its gather cursor passes ``state`` or at the end of its own backward of
+        ``state``; until then it may block only on all-gathers up to ``state`` (this rank issued them) and reductions
+        before ``state`` in the reduce order. So the wait is safe once this rank's reduce cursor reached ``state``
+        (always, in a model run in registration order); otherwise the copy-out waits for its pre-backward."""
         cursor = self.reduce_cursor
         return cursor < len(self.reduce_order) and self.reduce_order[cursor] is state
 
@@ -282,7 +280,7 @@ class BackwardWalk:
                     return  # its gradients may still come
                 self._finish_unit(state)
             grads = state.unit.grads
-            if state.reduces_now and grads.trainable:
+            if id(state) in self.reduces and grads.trainable:
                 if grads.state is not GradState.STAGED:
                     self._run("all_reduce", state, grads, grads.stage)
                 if not self.accelerated:
@@ -291,7 +289,8 @@ class BackwardWalk:
                     # in flight holds gloo's copy of its input. On an accelerator the wait came before the filling,
                     # and an accumulation buffer is alive anyway: a wait here would only stall compute.
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
-                grads.reduce(all_reduce_replicas=state.requires_all_reduce, synchronising=state.requires_gradient_sync)
+                all_reduce, synchronising = self.reduces[id(state)]
+                grads.reduce(all_reduce_replicas=all_reduce, synchronising=synchronising)
                 if self.program is not None and state.unit.world_size > 1:
                     self.program.expect("reduce_scatter", state, self.where(state))
                 if grads.state is GradState.REDUCE_SCATTERING:

@@ -405,6 +405,7 @@ def _build_walk(
         draining=step.draining,
         max_reduce_inputs=step.root.max_reduce_inputs,
         accelerated=step.accelerated,
+        reduces={id(s): (s.requires_all_reduce, s.requires_gradient_sync) for s in gather_order if s.reduces_now},
         where=step._where,
         wait_after=_wait_after(gather_order),
         graph_task=graph_task() if here and not _recomputes_inside(running_calls) else None,

@@ -608,6 +608,37 @@ FOUND_BY_THE_SWEEP = {
     # a side unit only even ranks run, bf16, 3 micro-batches: an eval forward with grad between the last forward and
     # its backward made that backward need "had a gradient" columns; the even rank's accumulation buffer (from the
     # first micro-batch) had none, the odd rank's new one had them: reduce-scatters of 12 and 14 elements, gloo aborted
+    # a chunked loss, a side unit only even ranks run, the micro-batch's backward raising on every rank at different
+    # points, collective checks: the next micro-batch's forward (under no_sync by then) completed the failed backward
+    # with the no_sync setting, so one rank skipped the reduce-scatter the other had issued before failing (a hang)
+    "abandoned_backward_keeps_its_settings": CaseConfig(
+        ws=2,
+        seed=452,
+        steps=1,
+        batch=1,
+        micro_batches=2,
+        accumulation="unsharded",
+        blocks=(
+            BlockSpec(
+                (LayerSpec("scalar", 3), LayerSpec("mlp", 5), LayerSpec("mlp", 1)),
+                False,
+                inner=(LayerSpec("tied", 5), LayerSpec("tied", 5)),
+                calls=2,
+                output="tensor",
+            ),
+        ),
+        embed_unit=False,
+        tie_embed="list",
+        side="even",
+        side_unit=True,
+        frozen_params="shard",
+        mp="blocks",
+        head_raf=True,
+        faults=((0, "backward", 1),),
+        loss="chunked",
+        chunks=3,
+        collective_checks=True,
+    ),
     "window_layout_of_a_rank_holding_nothing": CaseConfig(
         ws=2,
         seed=13,

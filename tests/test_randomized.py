@@ -605,9 +605,6 @@ FOUND_BY_THE_SWEEP = {
     # its post-forward group in every backward: an empty collective the backward's program does not list (an
     # internal error since the walk checks each collective against it)
     "empty_post_forward_all_gather": config_from_seed(152, 4),
-    # a side unit only even ranks run, bf16, 3 micro-batches: an eval forward with grad between the last forward and
-    # its backward made that backward need "had a gradient" columns; the even rank's accumulation buffer (from the
-    # first micro-batch) had none, the odd rank's new one had them: reduce-scatters of 12 and 14 elements, gloo aborted
     # a chunked loss, a side unit only even ranks run, the micro-batch's backward raising on every rank at different
     # points, collective checks: the next micro-batch's forward (under no_sync by then) completed the failed backward
     # with the no_sync setting, so one rank skipped the reduce-scatter the other had issued before failing (a hang)
@@ -639,6 +636,9 @@ FOUND_BY_THE_SWEEP = {
         chunks=3,
         collective_checks=True,
     ),
+    # a side unit only even ranks run, bf16, 3 micro-batches: an eval forward with grad between the last forward and
+    # its backward made that backward need "had a gradient" columns; the even rank's accumulation buffer (from the
+    # first micro-batch) had none, the odd rank's new one had them: reduce-scatters of 12 and 14 elements, gloo aborted
     "window_layout_of_a_rank_holding_nothing": CaseConfig(
         ws=2,
         seed=13,

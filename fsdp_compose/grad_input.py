@@ -76,9 +76,12 @@ class ReduceScatterInput:
             strides[dim] = strides[dim + 1] * size[dim + 1]
         return size, tuple(strides), slot.offset
 
+    def new_layout(self, *, zero_unused: bool) -> bool:
+        """Does a new window's buffer get flag columns? Only where the backward could not promise gradients."""
+        return self.flags_needed and not zero_unused
+
     def choose_layout(self, *, zero_unused: bool) -> None:
-        """The layout of a new window's buffer: flag columns only where the backward could not promise gradients."""
-        self.flagged = self.flags_needed and not zero_unused
+        self.flagged = self.new_layout(zero_unused=zero_unused)
 
     def new_buffer(self) -> torch.Tensor:
         spec = self.spec

@@ -130,6 +130,18 @@ class UnitGradients:
         """ACCUMULATING / STAGED: the reduce-scatter input being filled."""
         return self.input.buffer
 
+    def held_layout(self) -> bool | None:
+        """The layout (flag columns or not) of the partial gradients held here: a buffer or HSDP partial sums fix it
+        for the rest of their window. None: nothing held."""
+        if self.input.buffer is None and self.replica_partial is None:
+            return None
+        return self.input.flagged
+
+    def next_layout(self) -> bool:
+        """Does this unit's next reduce-scatter carry flag columns?"""
+        held = self.held_layout()
+        return self.input.new_layout(zero_unused=self.zero_unused) if held is None else held
+
     def has_pending(self) -> bool:
         return self.state is not GradState.IDLE or self.replica_partial is not None
 

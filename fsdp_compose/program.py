@@ -154,7 +154,7 @@ class Operation:
     group_size: int
     dtype: torch.dtype
     numel: int | None
-    key: int = field(default=0, compare=False, repr=False)  # id() of the unit's state (0: the root's control)
+    key: int = field(default=0, compare=False, repr=False)  # id() of the unit's state (the root's: the control ops)
 
     def __str__(self) -> str:
         size = "?" if self.numel is None else str(self.numel)
@@ -273,10 +273,10 @@ def backward_gather_order(schedule: StepSchedule, participants: list[ShardState]
     for state in schedule.gather_order:
         if id(state) not in taking_part:
             continue
-        for unit in [state, *(state.backward_prefetch or [])]:
-            if id(unit) in taking_part and id(unit) not in seen and (unit is state or unit.unshard_in_backward):
-                seen.add(id(unit))
-                reached.append(unit)
+        for target in [state, *(state.backward_prefetch or [])]:
+            if id(target) in taking_part and id(target) not in seen and (target is state or target.unshard_in_backward):
+                seen.add(id(target))
+                reached.append(target)
     return reached
 
 
@@ -309,7 +309,7 @@ def backward_program(
         program.add(control_ops[0])
         if live:
             program.issued[group] = 1  # the agreement went out before its answer could compile this program
-    names = {id(u.state): u.name for u in schedule.units}
+    names = schedule.names
     for state in backward_gather_order(schedule, participants):
         if gathers_in_backward(state, live=live, is_root=state is schedule.root):
             unit = state.unit
@@ -324,15 +324,6 @@ def backward_program(
     for operation in control_ops[1:]:
         program.add(operation)
     return program
-
-
-def flagged(state: ShardState) -> bool:
-    """Does the unit's next reduce-scatter carry "had a gradient" columns (grad_input.py)? Held partial sums or an
-    accumulation buffer keep the layout they were made with."""
-    grads = state.unit.grads
-    if grads.replica_partial is not None or grads.input.buffer is not None:
-        return grads.input.flagged
-    return grads.input.flags_needed and not grads.zero_unused
 
 
 def reductions(state: ShardState, name: str, *, flagged: bool) -> list[Operation]:

@@ -26,7 +26,6 @@ first hook only where the answer changes what it issues (``StepContext.begin_bac
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,7 +55,7 @@ class Agreement:
     quitting: list[int]  # ranks that abandoned the step
     # per unit: the layout some rank holds partial gradients in (2: with "had a gradient" columns, 1: without, 0: no
     # rank holds any). A window's later buffers must take it on every rank (``step._decide_flag_columns``).
-    held_layout: list[int] = dataclasses.field(default_factory=list)
+    held_layout: list[int]
 
 
 def agreement_group(dp: DataParallelMesh) -> dist.ProcessGroup | None:

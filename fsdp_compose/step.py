@@ -36,7 +36,7 @@ from .backward import BackwardWalk, graph_task
 from .checks import check_ranks_agree
 from .collectives import labelled
 from .grads import GradState
-from .program import Program, StepSchedule, backward_program, control_group, flagged, unit_names
+from .program import Program, StepSchedule, backward_program, control_group, unit_names
 from .schedule import Agreement, PendingAgreement, StepAbandoned, agreement_group, start_agreement
 from .streams import side_stream
 from .unit import UnitState
@@ -361,7 +361,7 @@ def _to_device(device: torch.device, value: Any) -> Any:
 
 def _compile(step: StepContext, walk: BackwardWalk) -> Program:
     """This backward's program (program.py), from its agreed participants and the state the forward left."""
-    flags = {id(s): flagged(s) for s in walk.reduce_order}
+    flags = {id(s): s.unit.grads.next_layout() for s in walk.reduce_order}
     control = control_group(step.agreement_group)
     return backward_program(step.schedule, walk.gather_order, live=True, control=control, flags=flags)
 
@@ -395,7 +395,8 @@ def _build_walk(
             observable = all(e.post_backward_runs() for e in calls)
             awaiting[id(state)] = len(calls) if observable else -1
     gather_order = [s for s in step.schedule.gather_order if id(s) in takes_part]
-    step.draining = step.gradients_held and any(s.reduces_now for s in gather_order)
+    reduces = {id(s): (s.requires_all_reduce, s.requires_gradient_sync) for s in gather_order if s.reduces_now}
+    step.draining = step.gradients_held and bool(reduces)
     return BackwardWalk(
         gather_order=gather_order,
         reduce_order=[s for s in step.schedule.reduce_order if id(s) in takes_part],
@@ -405,7 +406,7 @@ def _build_walk(
         draining=step.draining,
         max_reduce_inputs=step.root.max_reduce_inputs,
         accelerated=step.accelerated,
-        reduces={id(s): (s.requires_all_reduce, s.requires_gradient_sync) for s in gather_order if s.reduces_now},
+        reduces=reduces,
         where=step._where,
         wait_after=_wait_after(gather_order),
         graph_task=graph_task() if here and not _recomputes_inside(running_calls) else None,
@@ -463,7 +464,9 @@ def _agree(step: StepContext, reached: list[bool]) -> tuple[PendingAgreement, Ag
     for (_, mp), got in zip(params, expected, strict=True):
         every_gradient = every_gradient and (got or not mp.trainable)
     # Inside an accumulation window a rank holding nothing for a unit takes the layout other ranks hold it in.
-    layouts_known = not step.gradients_held or all(held)
+    layouts_known = not step.gradients_held or all(
+        layout or not s.unit.grads.trainable for layout, s in zip(held, step.states, strict=True)
+    )
     if not checks and all(reached) and every_gradient and layouts_known and not _acts_on_delivery(step.states):
         return pending, Agreement(reached, expected, [], held)
     return pending, None
@@ -473,13 +476,8 @@ def _held_layouts(states: list[ShardState]) -> list[int]:
     """Per unit, the layout this rank holds partial gradients in (``Agreement.held_layout``)."""
     found = []
     for state in states:
-        grads = state.unit.grads
-        if not grads.trainable:
-            found.append(3)  # nothing to reduce: no layout to agree on (3: "known", for the check in begin_backward)
-        elif grads.input.buffer is None and grads.replica_partial is None:
-            found.append(0)
-        else:
-            found.append(2 if grads.input.flagged else 1)
+        held = state.unit.grads.held_layout()
+        found.append(0 if held is None else 2 if held else 1)
     return found
 
 
@@ -493,8 +491,8 @@ def _decide_flag_columns(states: list[ShardState], agreed: Agreement) -> None:
         for mp in state.unit.params:
             needed = needed or (mp.trainable and not agreed.gradient_somewhere[index])
             index += 1
-        layout = agreed.held_layout[unit_index] if agreed.held_layout else 0
-        state.unit.grads.input.flags_needed = needed if layout in (0, 3) else layout == 2
+        layout = agreed.held_layout[unit_index]
+        state.unit.grads.input.flags_needed = needed if layout == 0 else layout == 2
 
 
 def _recomputes_inside(running_calls: dict[int, list[_Entry]]) -> bool:

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py                                  # cuda, ~1B params, AC off and on, eager
     python benchmarks/gpu.py --compile                        # each block torch.compile'd (both implementations)
+    python benchmarks/gpu.py --offload --layers 6 --ac off    # CPUOffloadPolicy(pin_memory=True) for both
     python benchmarks/gpu.py --device cpu --tiny --steps 2    # smoke run (what tests/test_gpu_benchmark.py runs)
 
 Self-contained (no repository imports besides fsdp_compose): a world of one rank (NCCL on CUDA, gloo on CPU) through
@@ -16,6 +17,7 @@ The device name goes into the output: record it with the figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -30,7 +32,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -126,18 +130,20 @@ def build(name: str, cfg: LlamaConfig, mesh: DeviceMesh, device: torch.device, a
         model = Llama(cfg)
     if name == "fsdp_compose":
         policy: Any = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        offload: Any = fc.CPUOffloadPolicy(pin_memory=True) if args.offload else fc.OffloadPolicy()
         shard: Any = fc.fully_shard
     else:
         policy, shard = (
             TorchMixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
             torch_fully_shard,
         )
+        offload = TorchCPUOffloadPolicy(pin_memory=True) if args.offload else TorchOffloadPolicy()
     for block in model.blocks:
         block.checkpointing = args.ac
         if args.compile:
             block.compile()
-        shard(block, mesh=mesh, mp_policy=policy)
-    shard(model, mesh=mesh, mp_policy=policy)
+        shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     return model, opt
 
@@ -207,6 +213,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each implementation first")
     parser.add_argument("--ac", choices=("off", "on", "both"), default="both", help="activation checkpointing")
     parser.add_argument("--compile", action="store_true", help="torch.compile every block (both implementations)")
+    parser.add_argument("--offload", action="store_true", help="CPUOffloadPolicy(pin_memory=True) (both)")
+    parser.add_argument("--layers", type=int, help="blocks of the model (default: the config's)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -214,6 +222,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     cfg = TINY if args.tiny else LlamaConfig()
+    if args.layers:
+        cfg = dataclasses.replace(cfg, layers=args.layers)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -221,7 +231,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         params = sum(p.numel() for p in Llama(cfg).parameters()) if args.tiny else _param_count(cfg)
         print(f"device: {name}; torch {torch.__version__}; {params:,} parameters; {asdict(cfg)}")
-        print(f"bf16 params, fp32 reduce, AdamW; compile={args.compile}; {args.steps} steps after {args.warmup}")
+        print(
+            f"bf16 params, fp32 reduce, AdamW; compile={args.compile}; offload={args.offload}; "
+            f"{args.steps} steps after {args.warmup}"
+        )
         results = []
         for ac in (False, True) if args.ac == "both" else (args.ac == "on",):
             args.ac = ac

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .extensions import ShardExtensions
-from .flat import ManagedParam, run_post_accumulate_grad_hooks
+from .flat import ManagedParam, run_post_accumulate_grad_hooks, sharded_dtensor
 from .meshes import DataParallelMesh
 from .offload import UnitDevices
 from .streams import current_stream, issued_on, record_event
@@ -265,14 +265,8 @@ class GradientDelivery:
 
 def _like_sharded(mp: ManagedParam, local: torch.Tensor) -> DTensor:
     """``local`` as a gradient of the sharded parameter: its mesh, placements, global shape and stride."""
-    return DTensor.from_local(
-        local,
-        mp.sharded.device_mesh,
-        mp.sharded.placements,
-        run_check=False,
-        shape=mp.sharded.shape,
-        stride=mp.sharded.stride(),
-    )
+    sharded = mp.sharded
+    return sharded_dtensor(local, sharded.device_mesh, sharded.placements, sharded.shape, sharded.stride())
 
 
 def _zeroed_in_place(grad: torch.Tensor, mark: tuple[int, int, int]) -> bool:

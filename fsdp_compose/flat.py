@@ -120,10 +120,26 @@ def _make_sharded_param(
     stride: tuple[int, ...],
     requires_grad: bool,
 ) -> DTensor:
-    dtensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-    param = nn.Parameter(dtensor, requires_grad=requires_grad)
+    param = nn.Parameter(sharded_dtensor(local, mesh, placements, shape, stride), requires_grad=requires_grad)
     install_copier(param)
     return cast(DTensor, param)
+
+
+def sharded_dtensor(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: torch.Size,
+    stride: Sequence[int],
+) -> DTensor:
+    """A DTensor over ``local`` itself, where it lies: a sharded parameter or gradient.
+
+    Not ``DTensor.from_local``: it moves a local tensor to the mesh's device type, so an offloaded shard (host
+    memory, accelerator mesh) would silently become a device copy, detached from the unit's flat buffer; and it runs
+    a tensor subclass (the FSDP2 all-gather protocol) through autograd views.
+    """
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def install_copier(param: torch.Tensor) -> None:
@@ -155,13 +171,8 @@ class _ShardedParamCopier:
         memo[id(param)] = new
         grad = param.grad
         if isinstance(grad, DTensor):
-            new.grad = DTensor.from_local(
-                grad._local_tensor.clone(),
-                grad.device_mesh,
-                grad.placements,
-                run_check=False,
-                shape=grad.shape,
-                stride=grad.stride(),
+            new.grad = sharded_dtensor(
+                grad._local_tensor.clone(), grad.device_mesh, grad.placements, grad.shape, grad.stride()
             )
         owner = getattr(param, OWNER_ATTR, None)
         if owner is not None:
@@ -328,9 +339,8 @@ class FlatShard:
             placements = placing.sharded_placements(
                 self.dp.placements(whole=slot is None, split_factor=placing.split_factor, dim=placing.shard_dim)
             )
-            make = _make_protocol_param if subclass is not None else _make_sharded_param
             news.append(
-                make(
+                _make_sharded_param(
                     local, placing.spmd_mesh, placements, placing.global_shape, placing.global_stride, requires_grad[i]
                 )
             )
@@ -472,22 +482,6 @@ def _primary_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
         if p.ndim > 0 and not has_fsdp_hooks(p._local_tensor if isinstance(p, DTensor) else p):
             return p.dtype
     return params[0].dtype if params else torch.float32
-
-
-def _make_protocol_param(
-    local: torch.Tensor,
-    mesh: DeviceMesh,
-    placements: tuple[Placement, ...],
-    shape: torch.Size,
-    stride: tuple[int, ...],
-    requires_grad: bool,
-) -> DTensor:
-    """The sharded parameter of a protocol tensor: a DTensor whose local tensor is the subclass itself (built with the
-    DTensor constructor, as torch does: ``from_local`` would run the subclass through autograd views)."""
-    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, stride, local.dtype))
-    param = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=requires_grad)
-    install_copier(param)
-    return cast(DTensor, param)
 
 
 def make_full_param(

@@ -6,6 +6,7 @@
     python -m tests.random_sweep --seeds 0:80 --set full_precision_eval=False   # leave a drawn dimension out
     python -m tests.random_sweep --config "CaseConfig(...)" -v   # re-run one printed configuration, full report
     python -m tests.random_sweep --seeds 0:40 --accelerator-side  # the walk's waits as on an accelerator
+    python -m tests.random_sweep --seeds 0:40 --recording-streams # ... over simulated streams checking the buffer rule
 
 A case passes when the sharded parameters match the single-process reference after every step (fp32 1e-5, bf16
 2e-2, relative to 1 + |value|), every rank issued the same collectives (kind, numel) in the same order on every
@@ -180,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         help="take the accelerator side of the backward walk's waits (tests/test_accelerator_path.py)",
     )
     parser.add_argument(
+        "--recording-streams",
+        action="store_true",
+        help="the accelerator side over simulated streams that check the buffer rule (tests/stream_sim.py)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -203,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     def run(ws: int, fn: Any, *fargs: Any) -> list[Any]:
         if ws not in pools:
             pools[ws] = WorkerPool(ws)
-        if args.accelerator_side:
+        if args.recording_streams:
+            from tests.stream_sim import on_recording_streams
+
+            fn, fargs = on_recording_streams, (fn, *fargs)
+        elif args.accelerator_side:
             from tests.test_accelerator_path import _on_accelerator_side
 
             fn, fargs = _on_accelerator_side, (fn, *fargs)

@@ -1,0 +1,317 @@
+"""Recording streams: the accelerator's stream and event layer simulated on CPU, checking the lifetime rule.
+
+On a CPU device ``fsdp_compose.streams`` hands out no side stream and no event, and gloo completes a collective only
+when it is waited for, so the accelerator's orderings are never exercised by the CPU tests. Inside
+``recording_streams()`` the engine gets simulated streams and events instead, its collectives run on one simulated
+stream per process group (as NCCL's do), the backward walk takes the accelerator side of its waits, and a dispatch
+mode notes which stream issued every op and which storages it read and wrote. Each stream keeps a vector clock of the
+work it is ordered after (``wait_stream``, ``wait_event``, ``Work.wait``, a host ``Event.synchronize``), and every
+access is checked against the rule of docs/design.md "Streams":
+
+- no buffer is read or written before the stream that last wrote it (or, for a write, last read it) is waited for;
+- no buffer is reused before every other stream that touched it is waited for: the caching allocator hands a freed
+  block to the next allocation of the stream it was allocated on, so that stream must be ordered after every other
+  use (this rule is what lets the engine go without ``record_stream``).
+
+Completions are reported adversarially: ``Work.is_completed()`` answers False, seeded at random, also for a collective
+that has completed (never True for one that has not: that would be a lie no device tells), so every "is it done yet?"
+branch of the walk runs both ways.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fsdp_compose.delivery as delivery_module
+import fsdp_compose.gathering as gathering_module
+import fsdp_compose.step as step_module
+import fsdp_compose.streams as streams_module
+
+__all__ = ["StreamSim", "on_recording_streams", "recording_streams"]
+
+
+class SimStream:
+    def __init__(self, sim: StreamSim, name: str) -> None:
+        self.sim, self.name = sim, name
+        self.seq = 0  # ops issued on this stream
+        self.clock: dict[str, int] = {}  # stream name -> how much of its work this stream is ordered after
+
+    def knows(self, other: str, seq: int) -> bool:
+        return other == self.name or self.clock.get(other, 0) >= seq
+
+    def merge(self, snapshot: dict[str, int]) -> None:
+        for name, seq in snapshot.items():
+            if self.clock.get(name, 0) < seq:
+                self.clock[name] = seq
+
+    def snapshot(self) -> dict[str, int]:
+        return {**self.clock, self.name: self.seq}
+
+    # the torch.Stream surface the engine uses
+    def wait_stream(self, other: SimStream) -> None:
+        self.merge(other.snapshot())
+
+    def wait_event(self, event: SimEvent) -> None:
+        self.merge(event.snapshot)
+
+    def __enter__(self) -> SimStream:
+        self.sim.stack.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sim.stack.pop()
+
+
+class SimEvent:
+    def __init__(self, sim: StreamSim, stream: SimStream) -> None:
+        self.sim, self.snapshot = sim, stream.snapshot()
+
+    def synchronize(self) -> None:
+        """The host waited: everything it issues from now on, on any stream, runs after the event."""
+        for stream in self.sim.streams.values():
+            stream.merge(self.snapshot)
+
+    def query(self) -> bool:
+        return False  # never relied on as done (adversarial), and nothing waits for it this way
+
+    def wait(self, stream: SimStream | None = None) -> None:
+        (stream or self.sim.current).wait_event(self)
+
+
+class SimWork:
+    """An asynchronous collective on its group's stream: ``wait`` orders the current stream after it."""
+
+    def __init__(self, sim: StreamSim, work: Any, snapshot: dict[str, int]) -> None:
+        self.sim, self.work, self.snapshot = sim, work, snapshot
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self.sim.current.merge(self.snapshot)
+        return self.work.wait(*args, **kwargs) if self.work is not None else True
+
+    def is_completed(self) -> bool:
+        done = self.work is None or self.work.is_completed()
+        if done and self.sim.rng.random() < 0.5:
+            self.sim.late_reports += 1
+            return False  # completed, but reported late
+        if done:
+            self.wait()
+            for stream in self.sim.streams.values():  # the host saw it complete: later work is ordered after it
+                stream.merge(self.snapshot)
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+@dataclasses.dataclass
+class _Access:
+    allocated_on: str
+    last_write: tuple[str, int] | None = None
+    reads: dict[str, int] = dataclasses.field(default_factory=dict)  # stream -> last read since the last write
+    users: dict[str, int] = dataclasses.field(default_factory=dict)  # stream -> last access of any kind
+    used_by: dict[str, str] = dataclasses.field(default_factory=dict)  # stream -> the op of that access
+
+
+def _plain(t: Any) -> torch.Tensor | None:
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return None
+    return t
+
+
+def _keys(value: Any) -> list[int]:
+    """The storages of the tensors in ``value`` (a tensor, a list of them, anything else)."""
+    tensors = value if isinstance(value, (list, tuple)) else [value]
+    keys = []
+    for t in tensors:
+        p = _plain(t)
+        key = None if p is None else _key(p)
+        if key is not None:
+            keys.append(key)
+    return keys
+
+
+def _key(t: torch.Tensor) -> int | None:
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr() if storage.nbytes() else None
+    except (RuntimeError, NotImplementedError):
+        return None  # a subclass (or a fake tensor) without a storage of its own
+
+
+class StreamSim(TorchDispatchMode):
+    """The simulated streams of one process, the dispatch mode that checks each op, and the violations found."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = random.Random(seed)
+        self.streams: dict[str, SimStream] = {}
+        self.compute = self.stream("compute")
+        self.stack: list[SimStream] = [self.compute]
+        self.storages: dict[int, _Access] = {}
+        self.violations: list[str] = []
+        self.ops = 0  # ops checked
+        self.late_reports = 0  # completed collectives reported as not completed yet
+
+    @property
+    def current(self) -> SimStream:
+        return self.stack[-1]
+
+    def stream(self, name: str) -> SimStream:
+        if name not in self.streams:
+            self.streams[name] = SimStream(self, name)
+        return self.streams[name]
+
+    def new_side_stream(self, device: torch.device) -> SimStream:
+        return self.stream(f"side{len(self.streams)}")
+
+    def record_event(self, device: torch.device, stream: SimStream | None = None) -> SimEvent:
+        return SimEvent(self, stream or self.current)
+
+    # ------------------------------------------------------------------ accesses
+    def access(self, what: str, stream: SimStream, reads: list[int], writes: list[int]) -> None:
+        """One op on ``stream`` reading and writing the storages with these keys."""
+        stream.seq += 1
+        seq = stream.seq
+        for key in set(reads) - set(writes):
+            record = self.storages.get(key)
+            if record is None:
+                self.storages[key] = record = _Access(stream.name)
+            if record.last_write is not None and not stream.knows(*record.last_write):
+                self._violate(what, stream, f"reads a buffer {record.last_write[0]} wrote, without waiting for it")
+            record.reads[stream.name] = seq
+            record.users[stream.name] = seq
+            record.used_by[stream.name] = what
+        for key in set(writes):
+            record = self.storages.get(key)
+            if record is None:
+                self.storages[key] = record = _Access(stream.name)
+            if record.last_write is not None and not stream.knows(*record.last_write):
+                self._violate(what, stream, f"overwrites a buffer {record.last_write[0]} wrote, without waiting")
+            for reader, at in record.reads.items():
+                if not stream.knows(reader, at):
+                    self._violate(what, stream, f"overwrites a buffer {reader} still reads, without waiting")
+            record.last_write = (stream.name, seq)
+            record.reads = {}
+            record.users[stream.name] = seq
+            record.used_by[stream.name] = what
+
+    def allocated(self, what: str, stream: SimStream, key: int) -> None:
+        """A new storage: where its address was another's, that one was freed and its block is reused here."""
+        old = self.storages.pop(key, None)
+        if old is not None and old.allocated_on == stream.name:  # the caching allocator's reuse (same stream)
+            for user, at in old.users.items():
+                if not stream.knows(user, at):
+                    self._violate(
+                        what, stream, f"reuses a freed block {user} used ({old.used_by.get(user)}), without waiting"
+                    )
+        self.storages[key] = _Access(stream.name, last_write=(stream.name, stream.seq), users={stream.name: stream.seq})
+
+    def _violate(self, what: str, stream: SimStream, message: str) -> None:
+        if len(self.violations) < 20:
+            where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()]
+            engine = [w for w in where if not w.startswith(("stream_sim.py", "_python_dispatch", "random_models"))]
+            at = " < ".join(engine[-4:][::-1])
+            self.violations.append(f"op {self.ops} {what} on {stream.name}: {message} (at {at})")
+
+    # ------------------------------------------------------------------ every op
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace == "c10d" or func.is_view:
+            return func(*args, **kwargs)  # collectives are recorded where they are issued; views touch no data
+        self.ops += 1
+        reads: list[int] = []
+        writes: list[int] = []
+        for i, arg in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            keys = _keys(value)
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                writes += keys
+            else:
+                reads += keys
+        out = func(*args, **kwargs)  # keys were taken before: an op may free its input's storage (resize_)
+        stream = self.current
+        inputs = set(reads) | set(writes)
+        for key in _keys(out):
+            if key not in inputs:
+                self.allocated(func.__name__, stream, key)
+        self.access(func.__name__, stream, reads, writes)
+        return out
+
+    # ------------------------------------------------------------------ collectives
+    def collective(self, original: Callable[..., Any], reads: int, writes: int) -> Callable[..., Any]:
+        """``original`` issued on its group's stream after the current one, as NCCL issues it."""
+
+        def issue(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            comm = self.stream(f"comm:{getattr(group, 'group_name', None) or 'world'}")
+            comm.wait_stream(self.current)  # a collective starts after the work queued before it
+            self.access(original.__name__, comm, _keys(args[reads]), _keys(args[writes]))
+            work = original(*args, **kwargs)
+            sim_work = SimWork(self, work, comm.snapshot())
+            if not kwargs.get("async_op", False):
+                sim_work.wait()
+                return work
+            return sim_work
+
+        return issue
+
+
+_COLLECTIVES = {
+    # name: (index of the argument read, index of the argument written)
+    "all_gather_single": (1, 0),
+    "all_gather_into_tensor": (1, 0),
+    "reduce_scatter_single": (1, 0),
+    "reduce_scatter_tensor": (1, 0),
+    "all_reduce": (0, 0),
+}
+
+
+@contextlib.contextmanager
+def recording_streams(seed: int = 0) -> Iterator[StreamSim]:
+    """Every root made in the block runs the accelerator's side over simulated streams (see the module docstring)."""
+    from tests.test_accelerator_path import accelerator_side
+
+    sim = StreamSim(seed)
+    patches: list[tuple[Any, str, Any]] = [
+        (step_module, "side_stream", sim.new_side_stream),
+        (streams_module, "current_stream", lambda device: sim.current),
+        (delivery_module, "current_stream", lambda device: sim.current),
+        (gathering_module, "record_event", sim.record_event),
+        (delivery_module, "record_event", sim.record_event),
+        # NCCL reads a reduce-scatter's input while it runs (gloo on a CPU device copies it at issue)
+        (delivery_module.ReduceSpec, "input_copied_at_issue", property(lambda spec: False)),
+    ]
+    for name, (reads, writes) in _COLLECTIVES.items():
+        original = getattr(dist, name, None)
+        if original is not None:
+            patches.append((dist, name, sim.collective(original, reads, writes)))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        with accelerator_side(), sim:
+            yield sim
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def on_recording_streams(rank: int, ws: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(rank, ws, *args)`` inside ``recording_streams``; raises AssertionError listing any rule broken."""
+    with recording_streams(seed=rank) as sim:
+        result = fn(rank, ws, *args)
+    if sim.violations:
+        raise AssertionError("the streams rule is broken:\n  " + "\n  ".join(sim.violations))
+    return result

@@ -131,10 +131,10 @@ def _name_fc(counter: LabelledCounter, model: nn.Module) -> None:
     for state in states_under(model):
         unit = state.unit
         name = unit.owner_name or "root"
-        counter.name([unit.flat], "sharded params (flat)")
+        counter.name([unit.shards.flat], "sharded params (flat)")
         if unit.grads.buffer is not None:
             counter.name([unit.grads.buffer], f"held: accumulated grads [{name}]")
-        for mp_ in unit.params:
+        for mp_ in unit.shards.params:
             if mp_.full_data is not None and mp_.slot is not None:
                 counter.name([mp_.full_data], f"full params [{name}]")
 

@@ -85,7 +85,7 @@ def measure(params: int, group: int | None, mode: str, args: argparse.Namespace,
     root = fc.get_state(model)
     assert root is not None
     states = root.root_states
-    count = sum(len(state.unit.params) for state in states)
+    count = sum(len(state.unit.shards.params) for state in states)
     assert count == params, (count, params)
 
     def check() -> None:
@@ -106,7 +106,7 @@ def measure(params: int, group: int | None, mode: str, args: argparse.Namespace,
         for state in states:
             state.unit.views_intact()
 
-    result = {"units": sum(1 for s in states if s.unit.params), "states": len(states)}
+    result = {"units": sum(1 for s in states if s.unit.shards.params), "states": len(states)}
     result["check"] = per_call(check, args.repeat)
     result["change"] = per_call(change, args.repeat)
     result["toggle"] = per_call(toggle_only, args.repeat)

@@ -95,7 +95,7 @@ class UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        self._state.unit.finish_unshard()
+        self._state.unit.gather.finish()
 
 
 def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | None:
@@ -108,7 +108,7 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
     state = _require_state(module, "unshard")
     state.unit.adopt_if_changed()
     state.start_gather(async_op=async_op)
-    state.unit.explicit = True
+    state.unit.gather.explicit = True
     handle = UnshardHandle(state)
     if async_op:
         return handle
@@ -118,7 +118,7 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
 
 def reshard(module: nn.Module) -> None:
     """Free the module's own full parameters and register the sharded ones again (no communication)."""
-    _require_state(module, "reshard").unit.reshard()
+    _require_state(module, "reshard").unit.gather.reshard()
 
 
 def set_collective_checks(module: nn.Module, enabled: bool = True) -> None:
@@ -158,7 +158,7 @@ def reset_step(module: nn.Module) -> None:
         return
     for sub in states_under(module):  # never ran a forward: nothing but held state to drop
         sub.unit.grads.discard()
-        sub.unit.reshard()
+        sub.unit.gather.reshard()
         sub.reset_step()
 
 
@@ -202,7 +202,7 @@ def set_reshard_after_forward(module: nn.Module, value: bool | int, *, recurse: 
             )
     for state, setting in zip(states, settings, strict=True):
         state.reshard_after_forward_setting = setting
-        state.unit.post_forward = post_forward_group_for(setting, state.unit.dp.mesh)
+        state.unit.gather.post_forward = post_forward_group_for(setting, state.unit.dp.mesh)
 
 
 def set_reshard_after_backward(module: nn.Module, value: bool, *, recurse: bool = True) -> None:
@@ -300,7 +300,7 @@ def set_optimizer_in_backward(
         )
     built = []
     for state in _states(module, recurse, "set_optimizer_in_backward"):
-        params = [mp.sharded for mp in state.unit.params]
+        params = [mp.sharded for mp in state.unit.shards.params]
         if not params:
             continue
         opt = optimizer(params)  # type: ignore[arg-type]

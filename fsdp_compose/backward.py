@@ -147,7 +147,7 @@ class BackwardWalk:
         """Half the bytes of ``state``'s full parameters that backward may free early (0: none, or the root)."""
         if not state.reshard_after_forward or not self._frees_early(state, nested=False):
             return 0
-        return state.unit.early_freeable_bytes() // 2
+        return state.unit.gather.early_freeable_bytes(state.unit.grads.trainable) // 2
 
     def _frees_early(self, state: ShardState, *, nested: bool | None = None) -> bool:
         """May a full parameter of ``state`` whose gradient was just accumulated be freed now, before its unit ends?
@@ -175,7 +175,7 @@ class BackwardWalk:
         midway prefetch once half its parameter bytes are freed and the window has room (else later, or at its end)."""
         if not self._frees_early(state):
             return
-        freed = state.unit.free_early(mp)
+        freed = state.unit.gather.free_early(mp)
         if not freed:
             return
         total = self.freed_early[id(state)] = self.freed_early.get(id(state), 0) + freed
@@ -227,7 +227,7 @@ class BackwardWalk:
             # Free the full parameters first (the gradients live apart from them), on every rank alike, whether it ran
             # the unit or not. One still gathering (never needed here) is freed in the final callback, when waiting
             # for its all-gather cannot block a peer.
-            state.unit.reshard()
+            state.unit.gather.reshard()
         for prefetched in self.landing.pop(id(state), []):
             # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
             # then it never meets this unit's reduce-scatter input and output (issued next). On every device only
@@ -235,7 +235,7 @@ class BackwardWalk:
             # or if the all-gather has arrived already: a stream wait there can close a cycle between two ranks.
             unit = prefetched.unit
             if unit.gather.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
-                if unit.gather_arrived() or self._may_wait_for_landing(state):
+                if unit.gather.arrived() or self._may_wait_for_landing(state):
                     prefetched.gather_now()
         state.opened = False
         grads = state.unit.grads

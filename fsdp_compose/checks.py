@@ -34,9 +34,9 @@ def describe_step(states: list[ShardState]) -> list[tuple[str, dict[str, Any]]]:
             (
                 unit.owner_name,
                 {
-                    "parameters": [mp.fqn for mp in unit.params],
-                    "trainable": [unit.current_requires_grad(mp) for mp in unit.params],
-                    "kept whole": [mp.slot is None for mp in unit.params],
+                    "parameters": [mp.fqn for mp in unit.shards.params],
+                    "trainable": [unit.current_requires_grad(mp) for mp in unit.shards.params],
+                    "kept whole": [mp.slot is None for mp in unit.shards.params],
                     "requires_gradient_sync": state.requires_gradient_sync,
                     "gradient_accumulation": state.gradient_accumulation,
                     "requires_all_reduce": state.requires_all_reduce,

@@ -30,7 +30,7 @@ import torch.distributed.fsdp as torch_fsdp
 
 from .collectives import Work, all_gather_flat, labelled
 from .extensions import ShardExtensions
-from .flat import FlatShard
+from .flat import FlatShard, ManagedParam
 from .full_params import FullParams
 from .gather_plan import GatherPlan
 from .meshes import DataParallelMesh, PostForwardGroup
@@ -240,6 +240,21 @@ class UnitGather:
         self._pending_gather = _PendingGather(work, gathered, block, encoded=False, collective=numel > 0)
         self.issued += numel > 0
         self._to(UnitState.GATHERING)
+
+    @property
+    def needs_gather(self) -> bool:
+        """Nothing gathered yet, or only the post-forward group's segments (``reshard_after_forward=k``)."""
+        return self.state is UnitState.SHARDED or self.state is UnitState.GROUP_SHARDED
+
+    def early_freeable_bytes(self, trainable: list[ManagedParam]) -> int:
+        """The bytes of full parameters backward may free one by one (``FullParams.free_early``; 0 unless
+        UNSHARDED)."""
+        return self.fulls.early_freeable_bytes(trainable) if self.state is UnitState.UNSHARDED else 0
+
+    def free_early(self, mp: ManagedParam) -> int:
+        """Free one full parameter whose gradient is made, before the rest of the unit; the bytes freed (0: kept
+        until the unit reshards)."""
+        return self.fulls.free_early(mp) if self.state is UnitState.UNSHARDED else 0
 
     # ------------------------------------------------------------------ wait and copy out
     def arrived(self) -> bool:

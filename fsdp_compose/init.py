@@ -175,7 +175,7 @@ def fully_shard(
         extensions,
         offload_policy,
     )
-    unit.post_forward = post_forward_group_for(reshard_after_forward, mesh)
+    unit.gather.post_forward = post_forward_group_for(reshard_after_forward, mesh)
     unit.gather.hook_policy = torch_fsdp.MixedPrecisionPolicy(
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
@@ -202,8 +202,8 @@ def fully_shard(
         logger.debug(
             "fully_shard on %s: %d parameters (%d kept whole), mesh %s %s, %s, reshard_after_forward=%s%s",
             owner_name,
-            len(unit.params),
-            sum(mp.slot is None for mp in unit.params),
+            len(unit.shards.params),
+            sum(mp.slot is None for mp in unit.shards.params),
             tuple(mesh.shape),
             mesh.mesh_dim_names,
             _precision_text(mp_policy),
@@ -402,7 +402,7 @@ def _collect_params(
                 continue  # torch's replicate() owns its parameters (and their gradient all-reduce), as in FSDP2
             if get_state(child) is not None:
                 for state in states_under(child):
-                    for mp in state.unit.params:
+                    for mp in state.unit.shards.params:
                         original = mp.original() if mp.original is not None else None
                         if original is not None:
                             taken[id(original)] = state

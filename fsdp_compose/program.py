@@ -99,7 +99,7 @@ class StepSchedule:
         """Parameters of all units (trainable or not: the count every rank has, whatever it froze)."""
         count = 0
         for scheduled in self.units:
-            count += len(scheduled.state.unit.params)
+            count += len(scheduled.state.unit.shards.params)
         return count
 
     @property
@@ -217,7 +217,7 @@ def _name(group: dist.ProcessGroup | None) -> str:
 def gathers(state: ShardState) -> bool:
     """Does the unit's gather move anything between ranks (the flat segment, or its protocol parameters)?"""
     unit = state.unit
-    return unit.world_size > 1 and (unit.layout.segment_numel > 0 or not unit.shards.uniform)
+    return unit.world_size > 1 and (unit.shards.layout.segment_numel > 0 or not unit.shards.uniform)
 
 
 def gathers_in_backward(state: ShardState, *, live: bool, is_root: bool = False) -> bool:
@@ -229,19 +229,21 @@ def gathers_in_backward(state: ShardState, *, live: bool, is_root: bool = False)
     if not live:
         return reshards_after_forward(state.reshard_after_forward_setting, is_root=is_root)
     unit = state.unit
-    return unit.needs_gather or unit.compute_dtype != state.compute_dtype(state.modules[0])
+    return unit.gather.needs_gather or unit.gather.compute_dtype != state.compute_dtype(state.modules[0])
 
 
 def _gather_numel(state: ShardState) -> int | None:
     unit = state.unit
     if not unit.shards.uniform or unit.extensions.all_gather is not None:
         return None  # sized by the gather plan, or by an extension's encode
-    return unit.world_size * unit.layout.segment_numel
+    return unit.world_size * unit.shards.layout.segment_numel
 
 
 def _gather(state: ShardState, name: str, phase: str, *, post_forward: bool) -> Operation:
     unit = state.unit
-    group = unit.post_forward.group if post_forward and unit.post_forward is not None else unit.dp.shard_group
+    group = (
+        unit.gather.post_forward.group if post_forward and unit.gather.post_forward is not None else unit.dp.shard_group
+    )
     return Operation(
         "all_gather",
         name,
@@ -313,7 +315,7 @@ def backward_program(
     for state in backward_gather_order(schedule, participants):
         if gathers_in_backward(state, live=live, is_root=state is schedule.root):
             unit = state.unit
-            grouped = unit.gather.state is UnitState.GROUP_SHARDED if live else unit.post_forward is not None
+            grouped = unit.gather.state is UnitState.GROUP_SHARDED if live else unit.gather.post_forward is not None
             program.add(_gather(state, names[id(state)], "backward", post_forward=grouped))
     taking_part = {id(s) for s in participants}
     for state in schedule.reduce_order:

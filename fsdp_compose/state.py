@@ -281,10 +281,10 @@ class ShardState:
             module.register_load_state_dict_pre_hook(self._reshard_for_load_state_dict)
 
     def _reshard_for_state_dict(self, *unused: Any) -> None:
-        self.unit.reshard()
+        self.unit.gather.reshard()
 
     def _reshard_for_load_state_dict(self, *unused: Any) -> None:
-        self.unit.reshard()
+        self.unit.gather.reshard()
 
     # ------------------------------------------------------------------ root and lazy init
     @property
@@ -327,14 +327,15 @@ class ShardState:
     def start_gather(self, *, async_op: bool) -> None:
         """Issue this unit's all-gather in its compute dtype if it needs one (or is gathered in another dtype)."""
         dtype = self.compute_dtype(self.modules[0])
-        if self.unit.gather.state in (UnitState.UNSHARDED, UnitState.GATHERING) and self.unit.compute_dtype != dtype:
-            self.unit.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
-        if self.unit.needs_gather:
+        gather = self.unit.gather
+        if gather.state in (UnitState.UNSHARDED, UnitState.GATHERING) and gather.compute_dtype != dtype:
+            gather.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
+        if gather.needs_gather:
             self.unit.start_unshard(dtype, async_op=async_op, stream=self.gather_stream)
 
     def gather_now(self) -> None:
         self.start_gather(async_op=False)
-        self.unit.finish_unshard()
+        self.unit.gather.finish()
 
     # ------------------------------------------------------------------ forward
     @_outside_compile
@@ -385,14 +386,14 @@ class ShardState:
         unit = self.unit
         self.full_precision_now = self.full_precision_in_eval and not module.training
         # Kept unsharded since an in-place update, or gathered in another precision: gather again.
-        stale = unit.is_unsharded and unit.is_stale()
-        if unit.gather.state is not UnitState.SHARDED and (stale or unit.compute_dtype != compute_dtype):
-            unit.reshard()
-        unit.explicit = False  # an fc.unshard issued before this forward is consumed here
+        stale = unit.gather.state is UnitState.UNSHARDED and unit.is_stale()
+        if unit.gather.state is not UnitState.SHARDED and (stale or unit.gather.compute_dtype != compute_dtype):
+            unit.gather.reshard()
+        unit.gather.explicit = False  # an fc.unshard issued before this forward is consumed here
         unit.grads.accumulating = not self.reduces_now
         self.kept_unsharded = False
         unit.start_unshard(compute_dtype, async_op=False, stream=self.gather_stream)
-        unit.finish_unshard()
+        unit.gather.finish()
         unit.grads.input.note_accumulators()
         self.opened = True
         self.entered = True
@@ -455,12 +456,12 @@ class ShardState:
         self.opened = False
         self.pending_modules = set()
         if not self.opening_needs_backward:
-            self.unit.reshard()
+            self.unit.gather.reshard()
         elif self.reshard_after_forward:
-            if self.unit.post_forward is not None:
-                self.unit.reshard_to_group()
+            if self.unit.gather.post_forward is not None:
+                self.unit.gather.reshard_to_group()
             else:
-                self.unit.reshard()
+                self.unit.gather.reshard()
 
     # ------------------------------------------------------------------ backward
     @_outside_compile
@@ -472,7 +473,7 @@ class ShardState:
                 self.gather_now()
                 return
             if not self.unshard_in_backward:
-                check_backward_reads_none_of(self.unit.owner_name, node, self.unit.params)
+                check_backward_reads_none_of(self.unit.owner_name, node, self.unit.shards.params)
             ctx.begin_backward(node)
             ctx.gather_for_backward(self)
 

@@ -133,8 +133,8 @@ class StepContext:
             # Anything left gathered is freed (a prefetch nobody used, parameters kept after a forward, a group
             # block): the same on every rank, whatever its garbage collector did with old graphs. Kept only by
             # policy (kept_unsharded) or by fc.unshard (explicit).
-            if not unit.explicit and not state.kept_unsharded and unit.gather.state is not UnitState.SHARDED:
-                unit.reshard()
+            if not unit.gather.explicit and not state.kept_unsharded and unit.gather.state is not UnitState.SHARDED:
+                unit.gather.reshard()
             unit.adopt_if_changed()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
             if continuing:
                 state.reset_forward()
@@ -254,9 +254,9 @@ class StepContext:
                 grads.mark_held()
                 keep = self._keeps_after_backward(state)
                 if not keep and state.unit.gather.state is not UnitState.SHARDED:
-                    state.unit.reshard()
+                    state.unit.gather.reshard()
                 if state.unit.gather.state is UnitState.GATHERING:
-                    state.unit.finish_unshard()
+                    state.unit.gather.finish()
                 state.kept_unsharded = keep and state.unit.gather.state is UnitState.UNSHARDED
                 # The calls this backward ran are consumed; calls it did not run wait for a later backward (a
                 # chunked loss runs the head's backward once per chunk, then the body's).
@@ -285,7 +285,7 @@ class StepContext:
         )
         for state in self.states:
             state.unit.grads.dropping = True
-            for mp in state.unit.params:
+            for mp in state.unit.shards.params:
                 if mp.full is not None:
                     mp.full.grad = None  # partial; the reductions below carry zeros in their place
         walked = self.backward is not None and not agreed
@@ -301,7 +301,7 @@ class StepContext:
             state.unit.grads.delivery.hold = False
             state.unit.grads.discard()
             if state.unit.gather.state is not UnitState.SHARDED:
-                state.unit.reshard()
+                state.unit.gather.reshard()
             state.reset_step()
             state.kept_unsharded = False
         self.gradients_held = False
@@ -322,7 +322,7 @@ class StepContext:
             # This rank's forward stopped at an exception; the others (if it raised here only) go on through theirs:
             # issue the forward all-gathers they issue after that point, in registration order.
             for state in self.states:
-                if not state.entered and state.unit.needs_gather and not state.unit.explicit:
+                if not state.entered and state.unit.gather.needs_gather and not state.unit.gather.explicit:
                     state.gather_now()
             self.forward_raised = False
         if self.backward is None:
@@ -344,9 +344,9 @@ class StepContext:
 
     def _forget_step(self) -> None:
         for state in self.states:
-            state.unit.explicit = False
+            state.unit.gather.explicit = False
             if state.unit.gather.state is not UnitState.SHARDED:
-                state.unit.reshard()
+                state.unit.gather.reshard()
             state.reset_step()
             state.kept_unsharded = False
         self.backward = None
@@ -444,8 +444,8 @@ def _as_after_forward(states: list[ShardState]) -> None:
     their parameters (``_zero_walk`` then issues no backward all-gather for them, also where this rank's failed
     forward freed them)."""
     for state in states:
-        if state.reshard_after_forward and not state.unit.explicit:
-            state.unit.reshard()
+        if state.reshard_after_forward and not state.unit.gather.explicit:
+            state.unit.gather.reshard()
 
 
 def _agree(step: StepContext, reached: list[bool]) -> tuple[PendingAgreement, Agreement | None]:
@@ -454,7 +454,7 @@ def _agree(step: StepContext, reached: list[bool]) -> tuple[PendingAgreement, Ag
     checks = any(state.collective_checks for state in step.states)
     # Per parameter: will this rank have a gradient for it (its unit's reduce-scatter needs no flags when some rank
     # will, for every trainable parameter of the unit)
-    params = [(s, mp) for s in step.states for mp in s.unit.params]
+    params = [(s, mp) for s in step.states for mp in s.unit.shards.params]
     expected = [mp.trainable and s.unit.grads.input.expects_gradient(mp) for s, mp in params]
     held = _held_layouts(step.states)
     pending = start_agreement(
@@ -488,7 +488,7 @@ def _decide_flag_columns(states: list[ShardState], agreed: Agreement) -> None:
     index = 0
     for unit_index, state in enumerate(states):
         needed = False
-        for mp in state.unit.params:
+        for mp in state.unit.shards.params:
             needed = needed or (mp.trainable and not agreed.gradient_somewhere[index])
             index += 1
         layout = agreed.held_layout[unit_index]

@@ -10,8 +10,9 @@ A unit is made of three parts, each in its own file, which know nothing of each 
 What stays here is what concerns all three at once, and so needs their owner: which dtypes the unit computes and
 reduces in; catching up with parameters the user replaced, cast or (un)froze since the last gather (each may
 re-lay out the shards and rebuild the gradient side); moving a tied parameter out to an enclosing unit; and
-``copy.deepcopy``. The engine (state.py, step.py, backward.py) drives the gather through this class's
-``start_unshard`` / ``finish_unshard`` / ``reshard`` / ``reshard_to_group``, which hand the work to ``UnitGather``.
+``copy.deepcopy``. The engine (state.py, step.py, backward.py) calls the parts directly: ``unit.gather`` (wait,
+reshard, state), ``unit.shards`` (parameters, layout) and ``unit.grads``; only a gather's start goes through
+``start_unshard`` here, because a gather from the shards first catches up with replaced parameters.
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ from .flat import FlatShard, ManagedParam
 from .full_params import FullParams
 from .gathering import UnitGather, UnitState
 from .grads import ReduceSpec, UnitGradients
-from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_scatter_group
+from .meshes import DataParallelMesh, ParamPlacing, reduce_scatter_group
 from .offload import UnitDevices
 from .policies import OffloadPolicy
-from .sharding import FlatLayout
 from .subclass_params import check_hooks_added
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class ShardedUnit:
         self.policy_param_dtype = param_dtype  # None: the parameters' own dtype
         self.policy_reduce_dtype = reduce_dtype  # None: the compute dtype
         self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
-        self.grads = UnitGradients(self._reduce_spec(), self.params)
+        self.grads = UnitGradients(self._reduce_spec(), self.shards.params)
         # Set by the step context (step.py): told after each full parameter's gradient is made, during backward.
         self.on_gradient: Callable[[ManagedParam], None] | None = None
         # What a protocol parameter's hooks receive (torch's policy class); fully_shard sets the whole policy
@@ -88,7 +88,7 @@ class ShardedUnit:
         """What this unit is: its modules, mesh, parameters (global and local sizes), dtypes and state."""
         mesh = self.dp.mesh
         names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
-        params = self.params
+        params = self.shards.params
         local = sum(mp.sharded._local_tensor.numel() for mp in params)
         total = sum(mp.sharded.numel() for mp in params)
         dtype = str(self.orig_dtype).removeprefix("torch.")
@@ -96,22 +96,10 @@ class ShardedUnit:
         return (
             f"ShardedUnit({self.owner_name}, mesh={tuple(mesh.shape)} {mesh.device_type}{names}, "
             f"params={len(params)}, numel={total}, local_numel={local} ({self.shard_device.type}), dtype={dtype}"
-            f"{compute.replace('torch.', '')}, state={self.state.value})"
+            f"{compute.replace('torch.', '')}, state={self.gather.state.value})"
         )
 
     # ------------------------------------------------------------------ dtypes
-    @property
-    def params(self) -> list[ManagedParam]:
-        return self.shards.params
-
-    @property
-    def layout(self) -> FlatLayout:
-        return self.shards.layout
-
-    @property
-    def flat(self) -> torch.Tensor:
-        return self.shards.flat
-
     @property
     def orig_dtype(self) -> torch.dtype:
         """The sharded parameters' dtype (changes with ``model.to(dtype)``)."""
@@ -123,7 +111,7 @@ class ShardedUnit:
         return self.policy_param_dtype or self.shards.dtype
 
     def _trainable_dtypes(self) -> set[torch.dtype]:
-        return {mp.sharded.dtype for mp in self.params if mp.trainable}
+        return {mp.sharded.dtype for mp in self.shards.params if mp.trainable}
 
     @property
     def reduce_dtype(self) -> torch.dtype:
@@ -155,77 +143,13 @@ class ShardedUnit:
         )
 
     # ------------------------------------------------------------------ the gather (gathering.py)
-    @property
-    def state(self) -> UnitState:
-        return self.gather.state
-
-    @property
-    def compute_dtype(self) -> torch.dtype | None:
-        """The dtype of the full parameters gathered last."""
-        return self.gather.compute_dtype
-
-    @property
-    def explicit(self) -> bool:
-        """Gathered by ``fc.unshard``: the next forward consumes it rather than discarding it."""
-        return self.gather.explicit
-
-    @explicit.setter
-    def explicit(self, value: bool) -> None:
-        self.gather.explicit = value
-
-    @property
-    def post_forward(self) -> PostForwardGroup | None:
-        """The group of k ranks that ``reshard_after_forward=k`` (1 < k < world size) keeps 1/k within."""
-        return self.gather.post_forward
-
-    @post_forward.setter
-    def post_forward(self, group: PostForwardGroup | None) -> None:
-        self.gather.post_forward = group
-
-    @property
-    def is_unsharded(self) -> bool:
-        return self.gather.state is UnitState.UNSHARDED
-
-    @property
-    def needs_gather(self) -> bool:
-        return self.gather.state is UnitState.SHARDED or self.gather.state is UnitState.GROUP_SHARDED
-
     def start_unshard(self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None = None) -> None:
         """Issue the all-gather in ``dtype`` (``UnitGather.start``); a gather from the shards adopts changes first."""
         self.gather.start(dtype, async_op=async_op, stream=stream, adopt=self.adopt_if_changed)
 
-    def gather_arrived(self) -> bool:
-        """GATHERING: has its all-gather completed (a check, not a wait)?"""
-        return self.gather.arrived()
-
-    def finish_unshard(self) -> None:
-        """Wait for the all-gather, fill the full parameters and register them on the modules."""
-        self.gather.finish()
-
     def unshard(self, dtype: torch.dtype) -> None:
         self.start_unshard(dtype, async_op=False)
-        self.finish_unshard()
-
-    def reshard(self) -> None:
-        """Register the sharded parameters again and free the full parameters' storage (keeping the objects)."""
-        self.gather.reshard()
-
-    def early_freeable_bytes(self) -> int:
-        """The bytes of the full parameters backward may free one by one (see ``FullParams.free_early``)."""
-        if self.gather.state is not UnitState.UNSHARDED:
-            return 0
-        return self.gather.fulls.early_freeable_bytes(self.grads.trainable)
-
-    def free_early(self, mp: ManagedParam) -> int:
-        """Free one full parameter whose gradient is made, before the rest of the unit (see
-        ``FullParams.free_early``); the bytes freed (0: kept until the unit reshards)."""
-        if self.gather.state is not UnitState.UNSHARDED:
-            return 0
-        return self.gather.fulls.free_early(mp)
-
-    def reshard_to_group(self) -> None:
-        """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest."""
-        self.gather.reshard_to_group()
+        self.gather.finish()
 
     @property
     def shard_device(self) -> torch.device:
@@ -234,7 +158,7 @@ class ShardedUnit:
 
     def is_stale(self) -> bool:
         """True when unsharded but a sharded parameter changed in place since (e.g. an optimizer step)."""
-        return any(mp.sharded._version != mp.gathered_version for mp in self.params)
+        return any(mp.sharded._version != mp.gathered_version for mp in self.shards.params)
 
     # ------------------------------------------------------------------ re-adopting changed parameters
     def adopt_if_changed(self) -> None:
@@ -254,11 +178,11 @@ class ShardedUnit:
                     f"the parameters of {self.owner_name} were cast from {before} to {self.shards.dtype} while "
                     "no-sync gradients are pending; cast the model between optimizer steps"
                 )
-            self.grads = _rebuilt_gradients(self.grads, self._reduce_spec(), self.params)
+            self.grads = _rebuilt_gradients(self.grads, self._reduce_spec(), self.shards.params)
 
     def has_pending_full_grads(self) -> bool:
         """Full-size ``.grad`` left on full parameters (none between steps: they move into the gradient buffer)."""
-        return any(mp.full is not None and mp.full.grad is not None for mp in self.params)
+        return any(mp.full is not None and mp.full.grad is not None for mp in self.shards.params)
 
     # ------------------------------------------------------------------ trainability
     def current_requires_grad(self, mp: ManagedParam) -> bool:
@@ -269,7 +193,7 @@ class ShardedUnit:
         return mp.sharded.requires_grad
 
     def trainability_changed(self) -> bool:
-        for mp in self.params:
+        for mp in self.shards.params:
             if self.current_requires_grad(mp) != mp.trainable:
                 return True
         return False
@@ -284,33 +208,34 @@ class ShardedUnit:
         if not self.trainability_changed():
             return False
         if self.grads.has_pending():
-            self.grads.refresh(self.params)  # raises: gradients from no-sync micro-batches would be lost
-        old_whole = [mp.slot is None for mp in self.params]
-        for mp in self.params:
+            self.grads.refresh(self.shards.params)  # raises: gradients from no-sync micro-batches would be lost
+        old_whole = [mp.slot is None for mp in self.shards.params]
+        for mp in self.shards.params:
             mp.trainable = self.current_requires_grad(mp)
             mp.sharded.requires_grad_(mp.trainable)
         new_whole = [
-            self.shards.kept_whole(len(mp.sharded.shape), mp.trainable, mp.subclass is not None) for mp in self.params
+            self.shards.kept_whole(len(mp.sharded.shape), mp.trainable, mp.subclass is not None)
+            for mp in self.shards.params
         ]
         if new_whole != old_whole:
             self._relayout()
-        for mp in self.params:
+        for mp in self.shards.params:
             if mp.full is not None:
                 mp.full.requires_grad_(mp.trainable)
                 self.gather.fulls.hook(mp)
-        self.grads.refresh(self.params)
+        self.grads.refresh(self.shards.params)
         spec = self._reduce_spec()
         if spec != self.grads.spec:  # a unit of several dtypes: which are trainable decides the reduce dtype
-            self.grads = _rebuilt_gradients(self.grads, spec, self.params)
+            self.grads = _rebuilt_gradients(self.grads, spec, self.shards.params)
         return True
 
     def _relayout(self) -> None:
-        self.reshard()
+        self.gather.reshard()
         self.unshard(self.shards.dtype)  # gather the master values, not a low-precision copy
-        values = [cast(torch.Tensor, mp.full_data).clone() for mp in self.params]
-        self.reshard()
+        values = [cast(torch.Tensor, mp.full_data).clone() for mp in self.shards.params]
+        self.gather.reshard()
         self.shards.reinstall(values, are_full=True)
-        logger.debug("re-laid out %s: %d elements sharded per rank", self.owner_name, self.layout.segment_numel)
+        logger.debug("re-laid out %s: %d elements sharded per rank", self.owner_name, self.shards.layout.segment_numel)
 
     def release(self, original: nn.Parameter) -> list[tuple[nn.Module, str]]:
         """Stop managing the parameter that replaced ``original`` (it moves to an enclosing unit: a tie).
@@ -320,7 +245,7 @@ class ShardedUnit:
         if self.gather.state is not UnitState.SHARDED or self.grads.has_pending():
             raise RuntimeError(f"cannot move a tied parameter out of {self.owner_name} while it is in use")
         released = self.shards.release(original)
-        self.grads.refresh(self.params)
+        self.grads.refresh(self.shards.params)
         return released.owners
 
     # ------------------------------------------------------------------ copy.deepcopy
@@ -338,8 +263,8 @@ class ShardedUnit:
         new.shards = self.shards.copy_for(memo)
         new.extensions = copy.deepcopy(self.extensions, memo)
         new._attach_gather(self.gather.hook_policy)  # SHARDED, nothing in flight, no full parameters yet
-        new.post_forward, new.gather.compute_dtype = self.post_forward, self.compute_dtype
-        new.grads = UnitGradients(new._reduce_spec(), new.params)
+        new.gather.post_forward, new.gather.compute_dtype = self.gather.post_forward, self.gather.compute_dtype
+        new.grads = UnitGradients(new._reduce_spec(), new.shards.params)
         _carry_settings(self.grads, new.grads)
         return new
 
@@ -353,7 +278,7 @@ def _added_hooks_check(unit: ShardedUnit) -> Callable[[list[tuple[str, torch.Ten
         mesh=unit.dp.mesh,
         offloaded=unit.devices.offloaded,
         all_gather_extension=unit.extensions.all_gather is not None,
-        group_reshard=unit.post_forward is not None,
+        group_reshard=unit.gather.post_forward is not None,
     )
 
 

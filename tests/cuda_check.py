@@ -173,6 +173,13 @@ def cpu_offload(mesh: DeviceMesh, rank: int, ws: int) -> float:
     return _against_reference(mesh, rank, ws)(offload_policy=fc.CPUOffloadPolicy(pin_memory=True))
 
 
+def cpu_offload_bf16(mesh: DeviceMesh, rank: int, ws: int) -> float:
+    """Offloaded fp32 shards gathered in bf16: the cast runs on the device after a copy in the stored dtype."""
+    policy = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = fc.CPUOffloadPolicy(pin_memory=True)
+    return _against_reference(mesh, rank, ws, micro=3)(mp_policy=policy, offload_policy=offload)
+
+
 def bf16_compute(mesh: DeviceMesh, rank: int, ws: int) -> float:
     policy = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return _against_reference(mesh, rank, ws)(mp_policy=policy)
@@ -209,6 +216,7 @@ CASES: dict[str, tuple[Callable[[DeviceMesh, int, int], float], float, int]] = {
     "activation_checkpointing": (activation_checkpointing, FP32_TOL, 1),
     "trainable_changes": (trainable_changes, FP32_TOL, 1),
     "cpu_offload": (cpu_offload, FP32_TOL, 1),
+    "cpu_offload_bf16": (cpu_offload_bf16, BF16_TOL, 1),
     "bf16_compute": (bf16_compute, BF16_TOL, 1),
     "bf16_like_torch": (bf16_like_torch, SAME_TOL, 1),
     "hsdp": (hsdp, FP32_TOL, 4),

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp_compose as fc
 from examples.gpt_model import GPT, Block, GPTConfig, loss_fn, synthetic_batch
+from fsdp_compose.unit import UnitState
 from tests.dist_utils import full_value, local_batch, max_param_diff, mesh_1d, reference_and_copy, shard_gpt, train_pair
 
 
@@ -33,11 +34,11 @@ def _placements_and_shards(rank: int, ws: int) -> None:
     # one flat buffer per unit: every local shard of a block is a view into that block's buffer
     for block in model.blocks:
         unit = fc.get_state(block).unit
-        base = unit.flat.untyped_storage().data_ptr()
+        base = unit.shards.flat.untyped_storage().data_ptr()
         for param in block.parameters():
             assert param.to_local().untyped_storage().data_ptr() == base
     # the root's unit excludes the blocks' parameters
-    root_names = {mp.fqn for mp in fc.get_state(model).unit.params}
+    root_names = {mp.fqn for mp in fc.get_state(model).unit.shards.params}
     assert root_names == {"tok_emb.weight", "pos_emb", "ln_f.weight", "ln_f.bias", "head.weight"}
 
 
@@ -59,7 +60,7 @@ def _sharded_between_steps(rank: int, ws: int) -> None:
         model(x)
     # torch FSDP2 leaves the root unsharded after a no_grad forward; here every unit is resharded
     assert all(isinstance(p, DTensor) for p in model.parameters())
-    assert all(not fc.get_state(m).unit.is_unsharded for m in [model, *model.blocks])
+    assert all(fc.get_state(m).unit.gather.state is not UnitState.UNSHARDED for m in [model, *model.blocks])
 
 
 @pytest.mark.parametrize("ws", [1, 2])

@@ -87,7 +87,7 @@ def _frozen_blocks_reshard_layer_by_layer(rank: int, ws: int) -> dict[str, Any]:
     def watch(i: int) -> Callable[..., None]:
         def forward_hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
             # the moment the gradient reaches block i's output, blocks after i must already be sharded again
-            output.register_hook(lambda g: observed.append((i, [u.state.value for u in units[i + 1 :]])))
+            output.register_hook(lambda g: observed.append((i, [u.gather.state.value for u in units[i + 1 :]])))
 
         return forward_hook
 
@@ -209,7 +209,7 @@ def _replicate_frozen(rank: int, ws: int) -> dict[str, Any]:
     with _CollectiveLog() as log:
         diff_frozen = _train_with_schedule(rank, ws, model, reference, cfg, lambda step, m: None, steps=2)
     root_unit = fc.get_state(model).unit
-    only_root = log.gathered == [ws * root_unit.layout.segment_numel] * 2  # the root gathers once per step
+    only_root = log.gathered == [ws * root_unit.shards.layout.segment_numel] * 2  # the root gathers once per step
     # unfreeze block 0: it moves from whole to sharded, trains, and matches the reference
     diff_after = _train_with_schedule(
         rank, ws, model, reference, cfg, lambda step, m: _freeze_blocks(m, [0], frozen=False), steps=2

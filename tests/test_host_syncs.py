@@ -181,8 +181,8 @@ def _offload_casts(rank: int, ws: int) -> list[tuple[str, str]]:
     policy = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     fc.fully_shard(model, mesh=mesh_1d(ws), mp_policy=policy, offload_policy=fc.CPUOffloadPolicy())
     unit = fc.get_state(model).unit
-    sources = {unit.flat.untyped_storage().data_ptr()}
-    sources |= {mp.sharded._local_tensor.untyped_storage().data_ptr() for mp in unit.params if mp.slot is None}
+    sources = {unit.shards.flat.untyped_storage().data_ptr()}
+    sources |= {mp.sharded._local_tensor.untyped_storage().data_ptr() for mp in unit.shards.params if mp.slot is None}
     mode = _CopiesFrom(sources)
     with mode:
         model(torch.randn(2, 8)).sum().backward()

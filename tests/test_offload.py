@@ -58,12 +58,12 @@ def _storage(t: torch.Tensor) -> int:
 def _check_placement(model: nn.Module) -> None:
     """Every sharded parameter (and its gradient) of an offloaded unit lives on the unit's shard device."""
     for unit in _all_units(model):
-        assert unit.flat.device == unit.shard_device
-        for mp in unit.params:
+        assert unit.shards.flat.device == unit.shard_device
+        for mp in unit.shards.params:
             local = mp.sharded._local_tensor
             assert local.device == unit.shard_device, mp.fqn
             if mp.slot is not None:
-                assert _storage(local) == _storage(unit.flat), mp.fqn  # still a view into the flat buffer
+                assert _storage(local) == _storage(unit.shards.flat), mp.fqn  # still a view into the flat buffer
             grad = mp.sharded.grad
             if grad is not None:
                 assert isinstance(grad, DTensor) and grad._local_tensor.device == unit.shard_device, mp.fqn
@@ -175,7 +175,7 @@ def _transfers(rank: int, ws: int) -> dict[str, Any]:
     _, model = _offloaded_tempered(cfg, ws)
     units = _all_units(model)
     root = fc.get_state(model).unit
-    whole = next(mp for mp in root.params if mp.fqn == "temperature")
+    whole = next(mp for mp in root.shards.params if mp.fqn == "temperature")
     opt = make_optimizer("sgd")(model.parameters())
     inputs, targets = synthetic_batch(cfg, 4, 0)
     x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
@@ -186,7 +186,7 @@ def _transfers(rank: int, ws: int) -> dict[str, Any]:
         whole_separate = _storage(whole_full) != _storage(whole.sharded._local_tensor)
         whole_on_compute = whole_full.device == root.device
         loss_fn(out, y).backward()
-    flats = {_storage(u.flat) for u in units}
+    flats = {_storage(u.shards.flat) for u in units}
     copies = record["to_compute"]
     gathered_inputs_are_copies = all(
         isinstance(d, UnitDevices) and _storage(out) not in flats and out.device == d.compute for d, _, out in copies
@@ -214,7 +214,7 @@ def _transfers(rank: int, ws: int) -> dict[str, Any]:
         "collective_got_copies": collective_got_copies,
         "grads_from_host_copies": grads_from_host_copies,
         "rs_outputs_left_on_device": rs_outputs_left_on_device,
-        "pinned": any(u.devices.pin_memory or u.flat.is_pinned() for u in units),
+        "pinned": any(u.devices.pin_memory or u.shards.flat.is_pinned() for u in units),
     }
 
 
@@ -257,9 +257,9 @@ def _mixed(rank: int, ws: int) -> dict[str, Any]:
     with _recording() as record:
         inputs, targets = synthetic_batch(cfg, 4, 0)
         loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
-    root_gathers_its_flat = any(flat is root.flat and out is flat for _, flat, out in record["to_compute"])
+    root_gathers_its_flat = any(flat is root.shards.flat and out is flat for _, flat, out in record["to_compute"])
     blocks_copied = all(
-        any(flat is b.flat and out is not flat for _, flat, out in record["to_compute"]) for b in blocks
+        any(flat is b.shards.flat and out is not flat for _, flat, out in record["to_compute"]) for b in blocks
     )
     model.zero_grad()
     return {
@@ -339,7 +339,7 @@ def _frozen(rank: int, ws: int, frozen_params: str) -> dict[str, Any]:
     reference.blocks[0].requires_grad_(True)
     diff = max(diff, train_pair(rank, ws, model, reference, cfg, steps=2))
     _check_placement(model)
-    return {"diff": diff, "kept_whole": [mp.slot is None for mp in frozen_unit.params]}
+    return {"diff": diff, "kept_whole": [mp.slot is None for mp in frozen_unit.shards.params]}
 
 
 @pytest.mark.parametrize("frozen_params", ["shard", "replicate"])

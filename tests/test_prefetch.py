@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fsdp_compose as fc
+import fsdp_compose.gathering as gathering_module
 import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.grads import GradState
@@ -39,7 +40,7 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
     original = unit_module.ShardedUnit.start_unshard
 
     def recording(self: unit_module.ShardedUnit, dtype: torch.dtype, *, async_op: bool, stream: Any = None) -> None:
-        if self.state is UnitState.SHARDED:
+        if self.gather.state is UnitState.SHARDED:
             issued.append((units[id(self)], async_op))
         original(self, dtype, async_op=async_op, stream=stream)
 
@@ -54,7 +55,9 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
     finally:
         unit_module.ShardedUnit.start_unshard = original  # type: ignore[method-assign]
     states = [fc.get_state(m) for m in [model, *model.blocks]]
-    left_in_flight = [s.unit.state is UnitState.GATHERING or s.unit.grads.state is not GradState.IDLE for s in states]
+    left_in_flight = [
+        s.unit.gather.state is UnitState.GATHERING or s.unit.grads.state is not GradState.IDLE for s in states
+    ]
     return {"issued": issued, "left_in_flight": any(left_in_flight)}
 
 
@@ -121,7 +124,7 @@ def _eval_between_steps(rank: int, ws: int) -> float:
     train_pair(rank, ws, model, reference, cfg, steps=1)
     with torch.no_grad():
         model(local_batch(synthetic_batch(cfg, 4, 9)[0], rank, ws))
-    assert all(not fc.get_state(m).unit.is_unsharded for m in [model, *model.blocks])
+    assert all(fc.get_state(m).unit.gather.state is not UnitState.UNSHARDED for m in [model, *model.blocks])
     return train_pair(rank, ws, model, reference, cfg, steps=2)
 
 
@@ -144,7 +147,7 @@ def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
     original = unit_module.ShardedUnit.start_unshard
 
     def recording(self: unit_module.ShardedUnit, dtype: torch.dtype, *, async_op: bool, stream: Any = None) -> None:
-        if self.state is UnitState.SHARDED:
+        if self.gather.state is UnitState.SHARDED:
             issued.append((units[id(self)], async_op))
             if any(u.grads.state is GradState.REDUCE_SCATTERING for u in all_units):
                 overlapping.append(units[id(self)])
@@ -196,7 +199,7 @@ def _prefetch_point(rank: int, ws: int, point: str | None, micro_batches: int = 
     def watch(i: int, moment: str) -> Any:
         def forward_hook(module: Any, args: Any, output: torch.Tensor) -> None:
             previous = fc.get_state(model.blocks[i - 1]).unit
-            output.register_hook(lambda g: seen.append((i, moment, previous.state.value)))
+            output.register_hook(lambda g: seen.append((i, moment, previous.gather.state.value)))
 
         return forward_hook
 
@@ -331,14 +334,14 @@ def _states_at_reduce_scatters(rank: int, ws: int) -> dict[str, Any]:
     shard_gpt(model, mesh_1d(ws))
     units = [fc.get_state(block).unit for block in model.blocks]
     snapshots: list[list[str]] = []
-    original = unit_module.ShardedUnit.gather_arrived
-    unit_module.ShardedUnit.gather_arrived = lambda self: False  # type: ignore[method-assign]
+    original = gathering_module.UnitGather.arrived
+    gathering_module.UnitGather.arrived = lambda self: False  # type: ignore[method-assign]
     try:
-        issued = lambda work, input: snapshots.append([u.state.value for u in units])  # noqa: E731
+        issued = lambda work, input: snapshots.append([u.gather.state.value for u in units])  # noqa: E731
         with watching_reduce_scatters(issued, lambda work: None):
             diff = train_pair(rank, ws, model, reference, cfg, steps=2, batch_size=8)
     finally:
-        unit_module.ShardedUnit.gather_arrived = original  # type: ignore[method-assign]
+        gathering_module.UnitGather.arrived = original  # type: ignore[method-assign]
     return {"diff": diff, "snapshots": snapshots}
 
 

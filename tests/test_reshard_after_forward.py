@@ -47,18 +47,18 @@ def _what_backward_gathers(rank: int, ws: int) -> dict[str, Any]:
         inputs, targets = synthetic_batch(cfg, 8, 0)
         loss = loss_fn(model(inputs.chunk(ws)[rank]), targets.chunk(ws)[rank])
         units = [fc.get_state(block).unit for block in model.blocks]  # type: ignore[union-attr]
-        after_forward = [u.state for u in units]
+        after_forward = [u.gather.state for u in units]
         blocks = [u.gather._group_block for u in units]
         freed = all(
-            mp.full_data is None or mp.full_data.untyped_storage().size() == 0 for u in units for mp in u.params
+            mp.full_data is None or mp.full_data.untyped_storage().size() == 0 for u in units for mp in u.shards.params
         )
         kept = [
-            (b.shape[0], b.shape[1] == u.layout.segment_numel) if b is not None else None
+            (b.shape[0], b.shape[1] == u.shards.layout.segment_numel) if b is not None else None
             for b, u in zip(blocks, units, strict=True)
         ]
         with recorder.labelled("backward"):
             loss.backward()
-        after_backward = [u.state for u in units]
+        after_backward = [u.gather.state for u in units]
     # the group size of each all-gather, in forward and in backward
     gathers = [r for r in recorder.records if r.kind == "all_gather" and not r.functional]
     forward_gathers = [r.group_size for r in gathers if r.label == ""]
@@ -119,7 +119,7 @@ def _trivial_values(rank: int, ws: int) -> list[Any]:
     results = []
     for value in (ws, 1):  # the whole shard group is True; one rank keeps everything: False
         fc.set_reshard_after_forward(model.blocks[0], value)
-        results.append((states[0].reshard_after_forward_setting, states[0].unit.post_forward))  # type: ignore[union-attr]
+        results.append((states[0].reshard_after_forward_setting, states[0].unit.gather.post_forward))  # type: ignore[union-attr]
     return results
 
 

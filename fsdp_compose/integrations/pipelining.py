@@ -58,7 +58,7 @@ class PipelineStage(_TorchPipelineStage):
         # root, kept by reshard_after_forward=False) stays gathered for this forward, as FSDP2 keeps it: a new root
         # forward would otherwise free it and gather it again. Every dp rank of the stage ran the same micro-batches.
         for state in states_under(self.submod):
-            if state.entries and state.unit.is_unsharded:
+            if state.entries and state.unit.gather.state is UnitState.UNSHARDED:
                 state.kept_unsharded = True
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
@@ -89,8 +89,8 @@ class PipelineStage(_TorchPipelineStage):
         super()._post_metadata_inference_cleanup()
         # The metadata inference ran a real forward and backward: free what it gathered, drop what it reduced.
         for state in states_under(self.submod):
-            if state.unit.state is not UnitState.SHARDED:
-                state.unit.reshard()
+            if state.unit.gather.state is not UnitState.SHARDED:
+                state.unit.gather.reshard()
         if self._uses_fsdp_compose():
             for param in self.submod.parameters():
                 param.grad = None

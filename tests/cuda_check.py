@@ -173,6 +173,11 @@ def cpu_offload(mesh: DeviceMesh, rank: int, ws: int) -> float:
     return _against_reference(mesh, rank, ws)(offload_policy=fc.CPUOffloadPolicy(pin_memory=True))
 
 
+def cpu_offload_pageable(mesh: DeviceMesh, rank: int, ws: int) -> float:
+    """Offload without page-locked memory: every host <-> device copy is a blocking one."""
+    return _against_reference(mesh, rank, ws, micro=3)(offload_policy=fc.CPUOffloadPolicy(pin_memory=False))
+
+
 def cpu_offload_bf16(mesh: DeviceMesh, rank: int, ws: int) -> float:
     """Offloaded fp32 shards gathered in bf16: the cast runs on the device after a copy in the stored dtype."""
     policy = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -217,6 +222,7 @@ CASES: dict[str, tuple[Callable[[DeviceMesh, int, int], float], float, int]] = {
     "trainable_changes": (trainable_changes, FP32_TOL, 1),
     "cpu_offload": (cpu_offload, FP32_TOL, 1),
     "cpu_offload_bf16": (cpu_offload_bf16, BF16_TOL, 1),
+    "cpu_offload_pageable": (cpu_offload_pageable, FP32_TOL, 1),
     "bf16_compute": (bf16_compute, BF16_TOL, 1),
     "bf16_like_torch": (bf16_like_torch, SAME_TOL, 1),
     "hsdp": (hsdp, FP32_TOL, 4),
@@ -245,22 +251,24 @@ def run_cases(rank: int, ws: int, device_type: str, names: list[str]) -> list[di
 
 
 # ------------------------------------------------------------------------------------------------------ host waits
-def host_syncs(device: torch.device) -> dict[str, Any]:
+def host_syncs(device: torch.device, offload: str = "none") -> dict[str, Any]:
     """Where one training step (after two warm-up steps) makes the host wait for the device, per phase, for
-    fsdp_compose and torch's ``fully_shard`` on one rank.
+    fsdp_compose and torch's ``fully_shard`` on one rank; ``offload``: "none", "pinned" or "pageable" (CPU offload
+    with or without page-locked host memory).
 
     ``torch.cuda.set_sync_debug_mode("warn")`` reports every synchronizing call (``.item()``, ``.tolist()``, blocking
     copies to the host, stream synchronization) as a warning, counted per phase with the Python line it names. Then
     one more step in ``"error"`` mode stops at the first one, for its whole traceback (the warnings of backward hooks
     are replayed by the autograd engine and name no library line).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (1,))
+    mesh = _mesh(device.type, (1,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload_policy = OffloadPolicy() if offload == "none" else CPUOffloadPolicy(pin_memory=offload == "pinned")
     out: dict[str, Any] = {}
     for name, shard in (("fsdp_compose", fc.fully_shard), ("torch_fully_shard", fully_shard)):
-        model = _shard(_gpt(device), mesh, shard, mp_policy=policy)
+        model = _shard(_gpt(device), mesh, shard, mp_policy=policy, offload_policy=offload_policy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         holder: dict[str, torch.Tensor] = {}
         phases: dict[str, Callable[[], None]] = {
@@ -388,18 +396,22 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
         try:
             torch.cuda.set_device(0)
-            report["host_syncs"] = host_syncs(torch.device("cuda", 0))
+            for offload in ("none", "pinned", "pageable"):
+                report[f"host_syncs offload={offload}"] = host_syncs(torch.device("cuda", 0), offload)
         finally:
             dist.destroy_process_group()
-        for impl, value in report["host_syncs"].items():
-            if isinstance(value, str):
-                print(f"{impl}:\n{value}")  # noqa: T201
+        for key, impls in report.items():
+            if not key.startswith("host_syncs"):
                 continue
-            total = sum(n for sites in value.values() for n in sites.values())
-            print(f"host syncs of one step, {impl}: {total}")  # noqa: T201
-            for phase, sites in value.items():
-                for site, n in sorted(sites.items()):
-                    print(f"  {phase:9s} {n:3d}  {site}")  # noqa: T201
+            for impl, value in impls.items():
+                if isinstance(value, str):
+                    print(f"{key}, {impl}:\n{value}")  # noqa: T201
+                    continue
+                total = sum(n for sites in value.values() for n in sites.values())
+                print(f"{key}: {impl} {total} per step")  # noqa: T201
+                for phase, sites in value.items():
+                    for site, n in sorted(sites.items()):
+                        print(f"  {phase:9s} {n:3d}  {site}")  # noqa: T201
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

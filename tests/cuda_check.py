@@ -185,6 +185,33 @@ def cpu_offload_bf16(mesh: DeviceMesh, rank: int, ws: int) -> float:
     return _against_reference(mesh, rank, ws, micro=3)(mp_policy=policy, offload_policy=offload)
 
 
+def state_dict_round_trip(mesh: DeviceMesh, rank: int, ws: int) -> float:
+    """Offloaded, then trained: the full state dict equals the reference's; loaded into a fresh offloaded model (from
+    rank 0, broadcast) and trained on, it still equals the reference (the loaded shards stay in host memory)."""
+    dev = (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device("cpu")
+    )
+    offload = fc.CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    model = _gpt(dev)
+    reference = copy.deepcopy(model)
+    _shard(model, mesh, offload_policy=offload)
+    _train(model, rank, ws, dev, local=True)
+    _train(reference, rank, ws, dev, local=False)
+    full = fc.full_state_dict(model, rank0_only=False)
+    worst = max(
+        (full[k].float() - v.detach().float().cpu()).abs().max().item() for k, v in reference.state_dict().items()
+    )
+    fresh = _shard(_gpt(dev), mesh, offload_policy=offload)
+    fc.load_full_state_dict(fresh, full if rank == 0 else {}, broadcast_from_rank0=True)
+    if any(p._local_tensor.device.type != "cpu" for p in fresh.parameters()):  # type: ignore[attr-defined]
+        return float("inf")
+    _train(fresh, rank, ws, dev, local=True)
+    _train(reference, rank, ws, dev, local=False)
+    return max(worst, _max_diff(fresh, reference))
+
+
 def bf16_compute(mesh: DeviceMesh, rank: int, ws: int) -> float:
     policy = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return _against_reference(mesh, rank, ws)(mp_policy=policy)
@@ -223,6 +250,7 @@ CASES: dict[str, tuple[Callable[[DeviceMesh, int, int], float], float, int]] = {
     "cpu_offload": (cpu_offload, FP32_TOL, 1),
     "cpu_offload_bf16": (cpu_offload_bf16, BF16_TOL, 1),
     "cpu_offload_pageable": (cpu_offload_pageable, FP32_TOL, 1),
+    "state_dict_round_trip": (state_dict_round_trip, FP32_TOL, 1),
     "bf16_compute": (bf16_compute, BF16_TOL, 1),
     "bf16_like_torch": (bf16_like_torch, SAME_TOL, 1),
     "hsdp": (hsdp, FP32_TOL, 4),

@@ -8,7 +8,8 @@ mode notes which stream issued every op and which storages it read and wrote. Ea
 work it is ordered after (``wait_stream``, ``wait_event``, ``Work.wait``, a host ``Event.synchronize``), and every
 access is checked against the rule of docs/design.md "Streams":
 
-- no buffer is read or written before the stream that last wrote it (or, for a write, last read it) is waited for;
+- no buffer is read or written before the stream that last wrote it (or, for a write, last read it) is waited for
+  (a host read with ``tolist()`` counts as a read on the current stream);
 - no buffer is reused before every other stream that touched it is waited for: the caching allocator hands a freed
   block to the next allocation of the stream it was allocated on, so that stream must be ordered after every other
   use (this rule is what lets the engine go without ``record_stream``).
@@ -249,6 +250,17 @@ class StreamSim(TorchDispatchMode):
         self.access(func.__name__, stream, reads, writes)
         return out
 
+    def host_read(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``tensor.tolist()``, which dispatches no op: a copy to the host on the current stream (an accelerator
+        synchronizes that stream only), so the stream that wrote the tensor must be waited for first (``item()``
+        dispatches, and is checked like any op)."""
+
+        def read(tensor: torch.Tensor) -> Any:
+            self.access("tolist", self.current, _keys(tensor), [])
+            return original(tensor)
+
+        return read
+
     # ------------------------------------------------------------------ collectives
     def collective(self, original: Callable[..., Any], reads: int, writes: int) -> Callable[..., Any]:
         """``original`` issued on its group's stream after the current one, as NCCL issues it."""
@@ -297,6 +309,7 @@ def recording_streams(seed: int = 0) -> Iterator[StreamSim]:
         original = getattr(dist, name, None)
         if original is not None:
             patches.append((dist, name, sim.collective(original, reads, writes)))
+    patches.append((torch.Tensor, "tolist", sim.host_read(torch.Tensor.tolist)))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)

@@ -17,6 +17,7 @@ import pytest
 
 import fsdp_compose.delivery as delivery_module
 import fsdp_compose.gathering as gathering_module
+import fsdp_compose.schedule as schedule_module
 from tests.random_models import config_from_seed
 from tests.stream_sim import on_recording_streams, recording_streams
 from tests.test_accelerator_path import CASES as SWEEP_CASES
@@ -82,14 +83,24 @@ def _sabotaged(rank: int, ws: int, how: str) -> dict[str, Any]:
             delivery_module.ReduceSpec.input_copied_at_issue = property(lambda spec: True)  # type: ignore[assignment]
         elif how == "skip_copy_in_wait":
             gathering_module.wait_for = lambda event, device: None  # type: ignore[assignment]
+        elif how == "read_agreement_unordered":
+
+            def wait(pending: schedule_module.PendingAgreement) -> None:
+                if pending.work is not None:  # the host waits for the collective, the current stream is not ordered
+                    getattr(pending.work, "work", pending.work).wait()
+                    pending.work = None
+
+            schedule_module.PendingAgreement.wait = wait  # type: ignore[method-assign]
         try:
             run_case(rank, ws, cfg)
         finally:
             gathering_module.wait_for = _WAIT_FOR
+            schedule_module.PendingAgreement.wait = _AGREEMENT_WAIT  # type: ignore[method-assign]
     return {"violations": sim.violations}
 
 
 _WAIT_FOR = gathering_module.wait_for
+_AGREEMENT_WAIT = schedule_module.PendingAgreement.wait
 
 
 @pytest.mark.parametrize(
@@ -97,11 +108,13 @@ _WAIT_FOR = gathering_module.wait_for
     [
         ("free_reduce_scatter_input", "reuses a freed block"),
         ("skip_copy_in_wait", "reads a buffer"),
+        ("read_agreement_unordered", "tolist on compute: reads a buffer comm"),
     ],
 )
 def test_the_check_finds_a_broken_rule(run_dist, how: str, symptom: str) -> None:
-    """Freeing a reduce-scatter's input at issue (gloo's rule, wrong for NCCL), or copying an all-gather out without
-    waiting for the side stream's copy-in event, is reported."""
+    """Freeing a reduce-scatter's input at issue (gloo's rule, wrong for NCCL), copying an all-gather out without
+    waiting for the side stream's copy-in event, or reading the agreement on the host without ordering the current
+    stream after its all-reduce, is reported."""
     for result in run_dist(2, _sabotaged, how):
         assert any(symptom in v for v in result["violations"]), result["violations"]
 

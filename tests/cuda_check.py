@@ -58,6 +58,13 @@ def _mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | Non
     return _MESHES[key]
 
 
+def _device(mesh: DeviceMesh) -> torch.device:
+    """The mesh's device, with this process's GPU index on CUDA."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def _gpt(device: torch.device, **cfg: Any) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(**{**CFG.__dict__, **cfg})).to(device)
@@ -126,8 +133,7 @@ def _against_reference(
     mesh: DeviceMesh, rank: int, ws: int, cfg: dict[str, Any] | None = None, **train: Any
 ) -> Callable[..., float]:
     def run(**shard_kwargs: Any) -> float:
-        device = mesh.device_type
-        dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+        dev = _device(mesh)
         model = _gpt(dev, **(cfg or {}))
         reference = copy.deepcopy(model)
         _shard(model, mesh, **shard_kwargs)
@@ -188,11 +194,7 @@ def cpu_offload_bf16(mesh: DeviceMesh, rank: int, ws: int) -> float:
 def state_dict_round_trip(mesh: DeviceMesh, rank: int, ws: int) -> float:
     """Offloaded, then trained: the full state dict equals the reference's; loaded into a fresh offloaded model (from
     rank 0, broadcast) and trained on, it still equals the reference (the loaded shards stay in host memory)."""
-    dev = (
-        torch.device(mesh.device_type, torch.cuda.current_device())
-        if mesh.device_type == "cuda"
-        else torch.device("cpu")
-    )
+    dev = _device(mesh)
     offload = fc.CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     model = _gpt(dev)
     reference = copy.deepcopy(model)
@@ -221,8 +223,7 @@ def bf16_like_torch(mesh: DeviceMesh, rank: int, ws: int) -> float:
     """bf16 all-gathers and compute, fp32 reductions: fsdp_compose and torch's ``fully_shard`` on the same slices."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    device = mesh.device_type
-    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    dev = _device(mesh)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     ours, theirs = _gpt(dev), _gpt(dev)
     _shard(ours, mesh, mp_policy=policy)

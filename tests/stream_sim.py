@@ -82,12 +82,6 @@ class SimEvent:
         for stream in self.sim.streams.values():
             stream.merge(self.snapshot)
 
-    def query(self) -> bool:
-        return False  # never relied on as done (adversarial), and nothing waits for it this way
-
-    def wait(self, stream: SimStream | None = None) -> None:
-        (stream or self.sim.current).wait_event(self)
-
 
 class SimWork:
     """An asynchronous collective on its group's stream: ``wait`` orders the current stream after it."""
@@ -119,8 +113,8 @@ class _Access:
     allocated_on: str
     last_write: tuple[str, int] | None = None
     reads: dict[str, int] = dataclasses.field(default_factory=dict)  # stream -> last read since the last write
-    users: dict[str, int] = dataclasses.field(default_factory=dict)  # stream -> last access of any kind
-    used_by: dict[str, str] = dataclasses.field(default_factory=dict)  # stream -> the op of that access
+    # stream -> its last access of any kind: (its position on that stream, the op)
+    users: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
 
 def _plain(t: Any) -> torch.Tensor | None:
@@ -192,8 +186,7 @@ class StreamSim(TorchDispatchMode):
             if record.last_write is not None and not stream.knows(*record.last_write):
                 self._violate(what, stream, f"reads a buffer {record.last_write[0]} wrote, without waiting for it")
             record.reads[stream.name] = seq
-            record.users[stream.name] = seq
-            record.used_by[stream.name] = what
+            record.users[stream.name] = (seq, what)
         for key in set(writes):
             record = self.storages.get(key)
             if record is None:
@@ -205,19 +198,17 @@ class StreamSim(TorchDispatchMode):
                     self._violate(what, stream, f"overwrites a buffer {reader} still reads, without waiting")
             record.last_write = (stream.name, seq)
             record.reads = {}
-            record.users[stream.name] = seq
-            record.used_by[stream.name] = what
+            record.users[stream.name] = (seq, what)
 
     def allocated(self, what: str, stream: SimStream, key: int) -> None:
         """A new storage: where its address was another's, that one was freed and its block is reused here."""
         old = self.storages.pop(key, None)
         if old is not None and old.allocated_on == stream.name:  # the caching allocator's reuse (same stream)
-            for user, at in old.users.items():
+            for user, (at, op) in old.users.items():
                 if not stream.knows(user, at):
-                    self._violate(
-                        what, stream, f"reuses a freed block {user} used ({old.used_by.get(user)}), without waiting"
-                    )
-        self.storages[key] = _Access(stream.name, last_write=(stream.name, stream.seq), users={stream.name: stream.seq})
+                    self._violate(what, stream, f"reuses a freed block {user} used ({op}), without waiting")
+        written = (stream.name, stream.seq)
+        self.storages[key] = _Access(stream.name, last_write=written, users={stream.name: (stream.seq, what)})
 
     def _violate(self, what: str, stream: SimStream, message: str) -> None:
         if len(self.violations) < 20:

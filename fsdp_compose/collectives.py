@@ -7,11 +7,20 @@ reads the function from ``torch.distributed`` at that moment, as torch's ``fully
 each call. The new name is called where it exists; the older name only where it is the one that was replaced (the
 new one being torch's own): a replacement of either name is seen, and fsdp_compose never calls torch's deprecated
 functions itself (no ``FutureWarning``). Nothing is patched here.
+
+The streams they overlap compute on are here too: device-generic side streams and events, and nothing at all on a
+CPU device. One rule keeps every buffer's lifetime correct without ``record_stream``: a buffer is allocated on the
+compute (the current) stream; work issued on a side stream first waits for the compute stream; the compute stream
+waits for the side stream's event (and for a collective, through ``Work.wait``) before it reads or frees anything
+the side stream touched. A freed block is then only reused by work ordered after everything that used it (see
+docs/design.md, "Streams"). A CPU device runs every op to completion before the next, so there is no side stream
+and no event: the helpers return None and the callers run the same code on the current thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
 import torch
@@ -19,7 +28,19 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.profiler import record_function
 
-__all__ = ["Work", "all_gather_flat", "all_reduce", "all_reduce_max", "labelled", "reduce_scatter_flat"]
+__all__ = [
+    "Work",
+    "all_gather_flat",
+    "all_reduce",
+    "all_reduce_max",
+    "current_stream",
+    "issued_on",
+    "labelled",
+    "record_event",
+    "reduce_scatter_flat",
+    "side_stream",
+    "wait_for",
+]
 
 
 class Work(Protocol):
@@ -81,3 +102,41 @@ def labelled(name: str) -> contextlib.AbstractContextManager[Any]:
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False) -> Work | None:
     """Element-wise maximum of ``tensor`` over ranks, in place (a step's agreement: a few integers)."""
     return cast("Work | None", dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op))
+
+
+def side_stream(device: torch.device) -> torch.Stream | None:
+    """A new stream on ``device`` for work that should overlap compute (None on a CPU device)."""
+    if device.type == "cpu":
+        return None
+    return torch.Stream(device=device)
+
+
+def current_stream(device: torch.device) -> torch.Stream:
+    """The compute stream: the one the caller's ops go to."""
+    return torch.accelerator.current_stream(device)
+
+
+@contextlib.contextmanager
+def issued_on(stream: torch.Stream | None, device: torch.device) -> Iterator[None]:
+    """Run the block's ops on ``stream`` after everything already queued on the compute stream (or just run it)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(current_stream(device))
+    with stream:
+        yield
+
+
+def record_event(device: torch.device, stream: torch.Stream | None = None) -> torch.Event | None:
+    """An event recorded on ``stream`` (default: the current stream of ``device``); None on a CPU device."""
+    if device.type == "cpu":
+        return None
+    event = torch.Event(device=device)
+    event.record(stream)
+    return event
+
+
+def wait_for(event: torch.Event | None, device: torch.device) -> None:
+    """Make the compute stream wait for ``event`` (no host wait; nothing to do without one)."""
+    if event is not None:
+        current_stream(device).wait_event(event)

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .collectives import current_stream, issued_on, record_event
 from .extensions import ShardExtensions
 from .flat import ManagedParam, run_post_accumulate_grad_hooks, sharded_dtensor
 from .meshes import DataParallelMesh
 from .offload import UnitDevices
-from .streams import current_stream, issued_on, record_event
 from .transitions import internal_error
 
 __all__ = ["GradientDelivery", "ReduceSpec", "RowsLayout"]

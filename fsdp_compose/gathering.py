@@ -28,15 +28,13 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed.fsdp as torch_fsdp
 
-from .collectives import Work, all_gather_flat, labelled
+from .collectives import Work, all_gather_flat, issued_on, labelled, record_event, wait_for
 from .extensions import ShardExtensions
 from .flat import FlatShard, ManagedParam
-from .full_params import FullParams
-from .gather_plan import GatherPlan
+from .full_params import FullParams, GatherPlan
 from .meshes import DataParallelMesh, PostForwardGroup
 from .offload import UnitDevices
 from .sharding import write_param_into_segments
-from .streams import issued_on, record_event, wait_for
 from .subclass_params import shard_mesh
 from .transitions import internal_error, transition_error
 
@@ -84,7 +82,7 @@ class _PendingGather:
     output: torch.Tensor
     input: torch.Tensor
     encoded: bool  # the output needs the all-gather extension's decode
-    plan: GatherPlan | None = None  # several dtypes or protocol parameters in one all-gather (gather_plan.py)
+    plan: GatherPlan | None = None  # several dtypes or protocol parameters in one all-gather (full_params.py)
     collective: bool = True  # an all-gather filled ``output`` (False: one rank, the output is the shard itself)
     issued: torch.Event | None = None  # recorded on the side stream after the copy-in and the collective's issue
 
@@ -96,7 +94,7 @@ def _free_gathered(pending: _PendingGather, device: torch.device) -> None:
     the work, after ``Work.wait`` has returned, so dropping ours frees the buffer some time later, while the next
     unit may already be computing (a block-sized buffer more at a step's peak, in some steps only). Its storage is
     released here instead. On an accelerator the buffer is freed by the compute stream's ordering rule
-    (streams.py), which a resize would bypass.
+    (collectives.py), which a resize would bypass.
     """
     if pending.collective and device.type == "cpu":
         pending.output.untyped_storage().resize_(0)
@@ -171,7 +169,7 @@ class UnitGather:
         gathers = self.world_size > 1 and numel > 0
         if transform is not None:
             stream = None  # an extension's encode decides the collective's size: it runs on the compute stream
-        # Allocated on the compute stream, which frees it after the copy-out (the rule in streams.py).
+        # Allocated on the compute stream, which frees it after the copy-out (the rule in collectives.py).
         gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device) if gathers else None
         with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"), issued_on(stream, self.device):
             if cast_in_place:
@@ -201,7 +199,7 @@ class UnitGather:
         self._to(UnitState.GATHERING)
 
     def _start_plan(self, dtype: torch.dtype, *, async_op: bool) -> None:
-        """Several dtype groups or protocol parameters: one all-gather of all their inputs (see gather_plan.py).
+        """Several dtype groups or protocol parameters: one all-gather of all their inputs (see full_params.py).
 
         Runs on the compute stream: a pre-hook may communicate (float8's amax) and decides the collective's size.
         """

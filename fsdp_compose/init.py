@@ -471,7 +471,7 @@ def _check_params(
                 "sharded — pass it in ignored_params or make it a buffer"
             )
     # Several dtypes share a unit: each dtype group has its own flat buffer, gathered in one collective (see
-    # gather_plan.py). A 0-dim parameter is kept whole and its gradient reduced with the unit's: it must have one of
+    # full_params.py). A 0-dim parameter is kept whole and its gradient reduced with the unit's: it must have one of
     # the dtypes of the unit's other parameters.
     unit_dtypes = {p.dtype for _, p, _ in params if p.ndim > 0} or {p.dtype for _, p, _ in params}
     for fqn, param, _ in params:

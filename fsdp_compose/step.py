@@ -34,11 +34,10 @@ from torch.utils._pytree import tree_map
 
 from .backward import BackwardWalk, graph_task
 from .checks import check_ranks_agree
-from .collectives import labelled
+from .collectives import labelled, side_stream
 from .grads import GradState
 from .program import Program, StepSchedule, backward_program, control_group, unit_names
 from .schedule import Agreement, PendingAgreement, StepAbandoned, agreement_group, start_agreement
-from .streams import side_stream
 from .unit import UnitState
 
 if TYPE_CHECKING:
@@ -79,7 +78,7 @@ class StepContext:
         # on every rank), and the backward that reduces them "drains" the window (see begin_backward).
         self.gradients_held = False
         self.draining = False
-        # All-gather copy-in and issue overlap compute on this side stream (None on a CPU device: streams.py).
+        # All-gather copy-in and issue overlap compute on this side stream (None on a CPU device: collectives.py).
         self.gather_stream = side_stream(root.device)
         # The walk's waits take the accelerator's side (backward.BackwardWalk). Derived from the device; the tests set
         # it on a CPU root to run that side on gloo, where each wait blocks the host: stricter than a stream wait, so

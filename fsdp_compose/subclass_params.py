@@ -19,7 +19,7 @@ and every gather sends exactly what its pre-hook returns. The calls follow torch
   refill the kept all-gather outputs and inner tensors (freed to 0 bytes between gathers) and call it with
   ``out=unsharded_param``.
 
-The unit's other parameters and these inputs go in one all-gather (see ``gather_plan.py``). Nothing here
+The unit's other parameters and these inputs go in one all-gather (see ``full_params.py``). Nothing here
 communicates except what a pre-hook does itself (float8's dynamic scale all-reduces its amax over ``mesh``).
 
 Like torch's ``fully_shard``, which reads the hooks again at its lazy init ("allow monkey patch after init"), a unit

@@ -1,6 +1,6 @@
 """Recording streams: the accelerator's stream and event layer simulated on CPU, checking the lifetime rule.
 
-On a CPU device ``fsdp_compose.streams`` hands out no side stream and no event, and gloo completes a collective only
+On a CPU device ``fsdp_compose.collectives`` hands out no side stream and no event, and gloo completes a collective only
 when it is waited for, so the accelerator's orderings are never exercised by the CPU tests. Inside
 ``recording_streams()`` the engine gets simulated streams and events instead, its collectives run on one simulated
 stream per process group (as NCCL's do), the backward walk takes the accelerator side of its waits, and a dispatch
@@ -33,10 +33,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fsdp_compose.collectives as streams_module
 import fsdp_compose.delivery as delivery_module
 import fsdp_compose.gathering as gathering_module
 import fsdp_compose.step as step_module
-import fsdp_compose.streams as streams_module
 
 __all__ = ["StreamSim", "on_recording_streams", "recording_streams"]
 

@@ -1,6 +1,6 @@
 """Where the host waits for the device: only at the end of backward, and only through an event.
 
-On a CPU device nothing is pending, so ``fsdp_compose.streams.record_event`` returns None; these tests substitute a
+On a CPU device nothing is pending, so ``fsdp_compose.collectives.record_event`` returns None; these tests substitute a
 recording event to check, through the same code as on an accelerator, that every device-to-host read of a backward
 (the "had a gradient" flags of a rank that lacked a gradient the backward's agreement could not promise, the offloaded
 gradients) is covered by an event that is

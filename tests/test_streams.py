@@ -1,8 +1,8 @@
 """The all-gather side stream, checked on CPU through the same code with recording stand-ins for streams and events.
 
-On a CPU device ``fsdp_compose.streams`` hands out no stream, so these tests substitute objects that log what the
+On a CPU device ``fsdp_compose.collectives`` hands out no stream, so these tests substitute objects that log what the
 engine asks of them, and a dispatch mode that notes on which stream every op was issued. They check the lifetime rule
-of streams.py: the side stream waits for the compute stream before each copy-in; the copy-in and the collective run
+of collectives.py: the side stream waits for the compute stream before each copy-in; the copy-in and the collective run
 on the side stream; every buffer is allocated on the compute stream; the compute stream waits for the side stream's
 event before the copy-out reads the gathered buffer. Training still matches the single-process reference.
 """
@@ -16,9 +16,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compose as fc
+import fsdp_compose.collectives as streams_module
 import fsdp_compose.gathering as gathering_module
 import fsdp_compose.step as step_module
-import fsdp_compose.streams as streams_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from tests.dist_utils import full_value, local_batch, mesh_1d, reference_and_copy, shard_gpt
 

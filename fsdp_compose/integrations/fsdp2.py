@@ -128,7 +128,7 @@ def _set_all_reduce_hook(
 
 def _set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
     # FSDP2 then issues its pre-forward/pre-backward all-gathers with async_op=True so their buffers come from the
-    # compute stream's allocator; fsdp_compose already allocates them on the compute stream (streams.py), so the
+    # compute stream's allocator; fsdp_compose already allocates them on the compute stream (collectives.py), so the
     # setting changes no result. Validated, recursive like FSDP2's.
     _check_bool(async_op, "async_op", "_set_unshard_async_op")
     api._states(module, True, "_set_unshard_async_op")

@@ -25,7 +25,7 @@ What the units compute between those events is the GPT's, in closed form. Notati
 ``N = batch x seq`` tokens, ``D`` width, ``F = mlp_ratio x D``, ``H`` heads, ``V`` vocabulary, ``P`` the learned
 positions, ``S`` shard-group size. Per unit ``u``: ``seg_u`` the padded segment (analytic.py), ``full_u`` its unsharded
 elements (its full gradients), ``Z_u`` its 0-dim trainable parameters; full parameters and all-gather buffer
-``S seg_u`` each (the full parameters live in padded buffers, one per parameter, see gather_plan.py), reduce-scatter
+``S seg_u`` each (the full parameters live in padded buffers, one per parameter, see full_params.py), reduce-scatter
 input ``S (seg_u + Z_u)`` and output ``seg_u + Z_u`` (a 0-dim gradient is a column of its own; "had a gradient" flag
 columns come only where a backward cannot promise every gradient, see grads.py: never in this model).
 

@@ -46,6 +46,7 @@ from .init import fully_shard  # noqa: E402
 from .integrations.fsdp2 import FSDP2_METHOD_NAMES, bind_fsdp2_methods, has_fsdp2_methods, share_comm_ctx  # noqa: E402
 from .integrations.ports import ported  # noqa: E402
 from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
+from .program import StepAbandoned  # noqa: E402
 from .recorder import CollectiveRecord, CollectiveRecorder  # noqa: E402
 from .state_dict import full_state_dict, load_full_state_dict  # noqa: E402
 
@@ -63,6 +64,7 @@ __all__ = [
     "OffloadPolicy",
     "ParamDescription",
     "ShardExtensions",
+    "StepAbandoned",
     "UnitDescription",
     "UnshardHandle",
     "bind_fsdp2_methods",

@@ -1,6 +1,6 @@
 """One backward's walk through the agreed schedule: two cursors, the units finished here, the reductions in flight.
 
-``StepContext.begin_backward`` builds it from the participants the ranks agreed on (schedule.py) and drops it in the
+``StepContext.begin_backward`` builds it from the participants the ranks agreed on (program.py) and drops it in the
 final callback. Everything that picks a collective during a backward is here:
 
 - ``gather_for_backward``: the gather cursor issues every backward all-gather up to the unit needed now, in the

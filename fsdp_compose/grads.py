@@ -34,7 +34,7 @@ from .collectives import Work, all_reduce, labelled, reduce_scatter_flat
 from .delivery import GradientDelivery, ReduceSpec
 from .flat import ManagedParam, local_grad
 from .grad_input import ReduceScatterInput
-from .sharding import FlatLayout, divide_factors
+from .sharding import FlatLayout
 from .transitions import internal_error, transition_error
 
 logger = logging.getLogger(__name__)
@@ -367,3 +367,17 @@ class UnitGradients:
         self.delivery.forget_marks()
         self.dropping = False
         self.state = GradState.IDLE
+
+
+def divide_factors(world_size: int, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    """(pre, post) divisors whose product is the divide factor (default: the data-parallel size, replicas included).
+
+    fp16 has a small range: the sum over ``world_size`` ranks of in-range values can overflow, so for fp16 every rank
+    pre-divides by ``world_size`` (the sum of the quotients is then an average, in range whenever the inputs are) and
+    the rest of the factor is applied after. Other dtypes have fp32's range: one post-division is the most accurate.
+    """
+    total = float(world_size if divide_factor is None else divide_factor)
+    if reduce_dtype != torch.float16 or world_size <= 1:
+        return 1.0, total
+    pre = float(world_size)
+    return pre, total / pre

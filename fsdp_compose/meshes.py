@@ -47,7 +47,6 @@ __all__ = [
     "post_forward_group_for",
     "reduce_scatter_group",
     "reshard_after_forward_setting",
-    "reshards_after_forward",
     "spmd_param_placing",
     "spmd_sharded_mesh",
 ]
@@ -570,9 +569,3 @@ def post_forward_group_for(setting: bool | int | None, mesh: DeviceMesh) -> Post
     if isinstance(setting, int) and not isinstance(setting, bool):
         return post_forward_group(mesh, setting)
     return None
-
-
-def reshards_after_forward(setting: bool | int | None, *, is_root: bool) -> bool:
-    """``reshard_after_forward`` as it acts: unset, every unit but the root frees its parameters after forward (the
-    root's are needed first in backward)."""
-    return (not is_root) if setting is None else bool(setting)

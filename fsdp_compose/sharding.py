@@ -35,7 +35,6 @@ __all__ = [
     "ParamSlot",
     "chunk_rows",
     "copy_param_from_segments",
-    "divide_factors",
     "local_rows",
     "padded_rows",
     "write_grad_into_segments",
@@ -209,17 +208,3 @@ def write_param_into_segments(full: torch.Tensor, segments: torch.Tensor, slot: 
         start = min((first + index) * slot.rows, size)
         owned = full.narrow(slot.dim, start, min(start + slot.rows, size) - start)
         segments[index, slot.offset : slot.offset + owned.numel()].view(owned.shape).copy_(owned)
-
-
-def divide_factors(world_size: int, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
-    """(pre, post) divisors whose product is the divide factor (default: the data-parallel size, replicas included).
-
-    fp16 has a small range: the sum over ``world_size`` ranks of in-range values can overflow, so for fp16 every rank
-    pre-divides by ``world_size`` (the sum of the quotients is then an average, in range whenever the inputs are) and
-    the rest of the factor is applied after. Other dtypes have fp32's range: one post-division is the most accurate.
-    """
-    total = float(world_size if divide_factor is None else divide_factor)
-    if reduce_dtype != torch.float16 or world_size <= 1:
-        return 1.0, total
-    pre = float(world_size)
-    return pre, total / pre

@@ -9,7 +9,7 @@ registers bound methods of it as module hooks. The hooks decide no collective: t
     unit pre-forward        _open: gather unless gathered, prefetch the next unit in registration order; cast
                             inputs; wrap them in _PostBackward (its backward: this call's input gradients exist)
     user forward            runs unchanged on full parameters
-    unit post-forward       cast outputs; outputs that need grad go through _PreBackward (one _Entry per call);
+    unit post-forward       cast outputs; outputs that need grad go through _PreBackward (one ForwardCall per call);
                             close_forward once every module ran (reshard per reshard_after_forward)
     ---- loss.backward() ----
     _PreBackward.backward   pre_backward: the first one agrees the backward's participants across ranks; then the
@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import logging
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar, cast
 
 import torch
@@ -38,21 +38,24 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .autograd_hooks import (
+    ForwardCall,
     StepOwner,
+    autograd_tensors,
+    cast_floating,
     check_backward_reads_none_of,
     check_not_compiled_autograd,
-    gradient_node,
     in_backward,
+    map_tensors,
+    tensors_in,
+    unique_tensors,
 )
 from .collectives import labelled
-from .meshes import reshards_after_forward
 from .policies import MixedPrecisionPolicy, PrefetchPoint
-from .pytrees import map_tensors, tensors_in
 from .unit import ShardedUnit, UnitState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STATE_ATTR", "GradientAccumulation", "ShardState", "states_under"]
+__all__ = ["STATE_ATTR", "GradientAccumulation", "ShardState", "reshards_after_forward", "states_under"]
 
 GradientAccumulation = Literal["unsharded", "sharded"]
 
@@ -70,6 +73,12 @@ def _outside_compile(hook: _Hook) -> _Hook:
     return cast(_Hook, torch.compiler.disable(hook))
 
 
+def reshards_after_forward(setting: bool | int | None, *, is_root: bool) -> bool:
+    """``reshard_after_forward`` as it acts: unset, every unit but the root frees its parameters after forward (the
+    root's are needed first in backward)."""
+    return (not is_root) if setting is None else bool(setting)
+
+
 def states_under(module: nn.Module) -> list[ShardState]:
     """Every state on ``module`` and its submodules, in pre-order, each once (a list-form state appears once)."""
     seen: set[int] = set()
@@ -80,89 +89,6 @@ def states_under(module: nn.Module) -> list[ShardState]:
             seen.add(id(state))
             found.append(state)
     return found
-
-
-class _Entry:
-    """One forward call of one of a unit's modules whose outputs need gradients: what its backward will run.
-
-    It holds the autograd nodes the unit added around the call weakly (a forward nobody runs backward for frees
-    its graph as usual): ``pre``, one per output that needs grad (its backward is the unit's pre-backward), and
-    ``post``, one per input that needs grad (once the last of them this backward runs has run, the unit's backward
-    for this call is done). Autograd tells, at the start of a backward, whether it will run each of them: that is
-    how a rank knows which units a backward uses before it uses them.
-
-    One node per tensor, not one over all of them: a node with several outputs runs when any of them gets a gradient
-    and hands zeros for the others. An output the loss ignores (or an input the unit ignores) would then feed zero
-    gradients into the unit (or into what made the input), and autograd would count the parameters there as getting
-    gradients (the backward's agreement): they must keep ``.grad = None``, as in single-process training.
-    """
-
-    __slots__ = ("always", "anchor", "grad_enabled", "inputs", "post", "posts_left", "pre", "seq")
-
-    def __init__(self, seq: int = 0) -> None:
-        self.seq = seq  # the root's count of calls in this step when this one began: forward order
-        self.pre: list[weakref.ref[Any]] = []
-        self.post: list[weakref.ref[Any]] = []
-        # Input nodes still to run in this backward (set when the backward begins; the last one ends the call)
-        self.posts_left = 0
-        self.always = False  # no node to ask (outputs under a torch.func transform): taken as run by a backward
-        # A call under no_grad on inputs that need grad: a reentrant activation checkpoint's forward, whose backward
-        # recomputes it inside the backward (see ``ShardState.recomputes_due``). Its inputs, weakly.
-        self.inputs: list[weakref.ref[torch.Tensor]] | None = None
-        # Such a call whose inputs were made under no_grad too (inside the checkpoint's region): the root's call it
-        # ran in, whose backward is the one that recomputes it.
-        self.anchor: _Entry | None = None
-        self.grad_enabled = torch.is_grad_enabled()
-
-    def alive(self) -> bool:
-        if self.anchor is not None:
-            return self.anchor.alive()
-        if self.inputs is not None:
-            return any(ref() is not None for ref in self.inputs)
-        return self.always or any(ref() is not None for ref in self.pre)
-
-    def runs_in_this_backward(self, running: object = None) -> bool:
-        """``running``: the node whose backward is running now (autograd does not count a backward's own root
-        node among those it will execute). A recomputed call runs if the gradient of one of its inputs is computed
-        (autograd cannot see inside the checkpoint before it recomputes)."""
-        if self.always:
-            return True
-        if self.anchor is not None:
-            return self.anchor.runs_in_this_backward(running)
-        if self.inputs is not None:
-            nodes = [gradient_node(t) for t in (ref() for ref in self.inputs) if t is not None]
-        else:
-            nodes = self.pre_nodes()
-        will_run = torch._C._will_engine_execute_node
-        for node in nodes:
-            if node is not None and (node is running or will_run(node)):
-                return True
-        return False
-
-    def pre_nodes(self) -> list[Any]:
-        """The output nodes still alive (their graphs may run)."""
-        alive = []
-        for ref in self.pre:
-            node = ref()
-            if node is not None:
-                alive.append(node)
-        return alive
-
-    def outputs_pending(self) -> bool:
-        """Does an output of this call still await its backward? A backward that used some outputs only (``o1``'s
-        now, ``o2``'s in a later backward) leaves the call to the later one."""
-        for node in self.pre_nodes():
-            if not getattr(node, "ran", False):
-                return True
-        return False
-
-    def post_backward_runs(self) -> bool:
-        """Will this backward end the call (run an input node)? Counts the input nodes it runs (``posts_left``)."""
-        if self.inputs is not None:
-            return True  # its recompute wraps the inputs it runs on
-        nodes = [node for node in (ref() for ref in self.post) if node is not None]
-        self.posts_left = sum(1 for node in nodes if torch._C._will_engine_execute_node(node))
-        return self.posts_left > 0
 
 
 class _PreBackward(torch.autograd.Function):
@@ -177,13 +103,13 @@ class _PreBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        ctx.ran = True  # see _Entry.outputs_pending
+        ctx.ran = True  # see ForwardCall.outputs_pending
         ctx.state.pre_backward(ctx)
         return None, grad
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's forward inputs (one per node, see ``_Entry``) whose backward runs once their gradients
+    """Identity on a unit's forward inputs (one per node, see ``ForwardCall``) whose backward runs once their gradients
     are computed.
 
     Once the last input node of a call that this backward runs has run, the unit's own backward for the call is done
@@ -192,7 +118,7 @@ class _PostBackward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, state: ShardState, entry: _Entry, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, state: ShardState, entry: ForwardCall, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
         ctx.entry = entry
         return tuple(t.detach() for t in inputs)
@@ -249,10 +175,10 @@ class ShardState:
         self.make_step: Callable[[ShardState, list[ShardState]], StepOwner] | None = None
         # Full parameters kept across the last (no-sync) backward by reshard_after_backward=False.
         self.kept_unsharded = False
-        self.entries: list[_Entry] = []  # forward calls whose backward has not run yet
+        self.entries: list[ForwardCall] = []  # forward calls whose backward has not run yet
         # Forward calls a backward of this step already ran: a backward through a retained graph
         # (``retain_graph=True``) runs them again, so the next backward asks autograd about them too.
-        self.ran: list[_Entry] = []
+        self.ran: list[ForwardCall] = []
         self.recomputes_due = 0  # calls this backward recomputes (set by the step when it begins)
         self.reset_step()
 
@@ -268,7 +194,7 @@ class ShardState:
         self.opened = False  # gathered for forward; closes when every module ran (or at the root's end of forward)
         self.opening_needs_backward = False  # some call of the current opening returned outputs that need grad
         self.pending_modules: set[int] = set()  # list form: modules not yet run in the current opening
-        self.calls: dict[int, list[_Entry]] = {}  # module id -> entries of calls between pre- and post-forward
+        self.calls: dict[int, list[ForwardCall]] = {}  # module id -> entries of calls between pre- and post-forward
         self.full_precision_now = False
         self.incoming_dtype: dict[int, torch.dtype] = {}  # module id -> dtype its inputs had before the cast
 
@@ -360,7 +286,7 @@ class ShardState:
             if self.recomputes_due and torch.is_grad_enabled():
                 # A reentrant checkpoint's recompute: its own backward follows, which ends this call's backward.
                 self.recomputes_due -= 1
-                args, kwargs = _wrap_inputs(self, args, kwargs, _Entry(), per_input=False)
+                args, kwargs = _wrap_inputs(self, args, kwargs, ForwardCall(), per_input=False)
             return args, kwargs
         if self.root is None:
             lazy_init(self)
@@ -372,7 +298,7 @@ class ShardState:
         self.pending_modules.discard(id(module))
         self.active += 1
         ctx = self.root_ctx
-        entry = _Entry(ctx.next_call_number() if ctx is not None else 0)
+        entry = ForwardCall(ctx.next_call_number() if ctx is not None else 0)
         self.calls.setdefault(id(module), []).append(entry)
         args, kwargs = cast_inputs(self, module, args, kwargs, compute_dtype)
         if torch.is_grad_enabled():
@@ -432,9 +358,9 @@ class ShardState:
             # Inside torch.func.jvp / vmap / grad an autograd Function without setup_context raises, also on plain
             # outputs (a unit called on a tensor captured from outside the transform): hook them instead.
             return _hook_transformed_outputs(self, found, entry, output)
-        needing = _unique(t for t in found if t.requires_grad)
+        needing = unique_tensors(t for t in found if t.requires_grad)
         if needing:
-            # One node per output (why: _Entry): an output the loss ignores leaves the unit out of the graph.
+            # One node per output (why: ForwardCall): an output the loss ignores leaves the unit out of the graph.
             hooked = [_PreBackward.apply(self, t) for t in needing]
             entry.pre = [weakref.ref(t.grad_fn) for t in hooked]
             replacement = {id(old): new for old, new in zip(needing, hooked, strict=True)}
@@ -528,17 +454,17 @@ def lazy_init(root: ShardState) -> None:
 
 
 def _wrap_inputs(
-    state: ShardState, args: tuple[Any, ...], kwargs: dict[str, Any], entry: _Entry, *, per_input: bool = True
+    state: ShardState, args: tuple[Any, ...], kwargs: dict[str, Any], entry: ForwardCall, *, per_input: bool = True
 ) -> tuple[Any, Any]:
     """``per_input=False``: one node over all inputs (a reentrant checkpoint's recompute, which begins after the
     backward asked which nodes it runs: its one node ends the call)."""
-    needing = _unique(t for t in tensors_in((args, kwargs)) if t.requires_grad)
+    needing = unique_tensors(t for t in tensors_in((args, kwargs)) if t.requires_grad)
     if not needing or torch._C._are_functorch_transforms_active():
         # Nothing to hook, or a torch.func transform is active: an autograd Function without setup_context raises
         # there, on the transform's own wrapped inputs and on plain ones captured from outside it alike. The final
         # callback finishes this call.
         return args, kwargs
-    if per_input:  # one node per input (why: _Entry)
+    if per_input:  # one node per input (why: ForwardCall)
         wrapped = [_PostBackward.apply(state, entry, t)[0] for t in needing]
         entry.post = [weakref.ref(t.grad_fn) for t in wrapped]
     else:
@@ -550,7 +476,7 @@ def _wrap_inputs(
     return new_args, new_kwargs
 
 
-def _note_recomputable(state: ShardState, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _note_recomputable(state: ShardState, entry: ForwardCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A call under no_grad inside a forward with grad may be a reentrant checkpoint's forward (or run inside one):
     keep its inputs that need grad (weakly), or else the root's call it runs in."""
     needing = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
@@ -563,12 +489,12 @@ def _note_recomputable(state: ShardState, entry: _Entry, args: tuple[Any, ...], 
         entry.inputs, entry.anchor = [], open_calls[-1]
 
 
-def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entry: _Entry, output: Any) -> Any:
+def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entry: ForwardCall, output: Any) -> Any:
     """Outputs under a ``torch.func`` transform (``jvp``, ``vmap``, ``grad``): an autograd Function cannot wrap them,
     so the plain tensors under them (primal and tangent, whose backward both read the unit's parameters; or the
     outputs themselves when they are plain, computed from tensors captured from outside the transform) get tensor
     hooks, and the call counts as run by every backward until one runs (its reach cannot be asked)."""
-    plain = _unique(p for t in found for p in _autograd_tensors(t) if p.requires_grad)
+    plain = unique_tensors(p for t in found for p in autograd_tensors(t) if p.requires_grad)
     if plain:
         entry.always = True
         for tensor in plain:
@@ -614,38 +540,4 @@ def cast_outputs(state: ShardState, module: nn.Module, output: Any) -> Any:
         dtype = incoming
     if dtype is None:
         return output
-    return map_tensors(lambda v: _cast_floating(v, dtype), output)
-
-
-def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    found = []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            found.append(t)
-    return found
-
-
-def _autograd_tensors(output: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors of an output that backward reaches: the output itself, or inside a torch.func transform (``jvp``)
-    the plain tensors under its wrapper, the primal and the tangent. The tangent's backward reads the unit's full
-    parameters too, so it needs the pre-backward hook as much as the primal (a loss on a jvp's tangent)."""
-    if not torch._C._functorch.is_functorch_wrapped_tensor(output):
-        return [output]
-    tensors = [output]
-    tangent = torch.autograd.forward_ad.unpack_dual(output).tangent
-    if tangent is not None:
-        tensors.append(tangent)
-    found = []
-    for tensor in tensors:
-        while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-            tensor = torch._C._functorch.get_unwrapped(tensor)
-        found.append(tensor)
-    return found
-
-
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
-        return value.to(dtype)
-    return value
+    return map_tensors(lambda v: cast_floating(v, dtype), output)

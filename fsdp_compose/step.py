@@ -1,4 +1,4 @@
-"""One training step of one root: the owner of the step, walking the declared schedule (schedule.py).
+"""One training step of one root: the owner of the step, walking the declared schedule (program.py).
 
 The root's ``ShardState`` owns a ``StepContext``; the other states only point at their root. One step, top to
 bottom (every collective named here is read from the schedule, never chosen by which hook fired first)::
@@ -7,8 +7,9 @@ bottom (every collective named here is read from the schedule, never chosen by w
                        trainability, move inputs
     unit pre-forward   gather the unit if it is not gathered (a unit may be entered any number of times, wholly or
                        one module at a time); prefetch the next unit in registration order
-    unit post-forward  outputs that need grad get the unit's pre-backward node (an _Entry); the unit closes (reshards
-                       per reshard_after_forward) when every module of it ran, or at the root's end of forward
+    unit post-forward  outputs that need grad get the unit's pre-backward node (a ForwardCall); the unit closes
+                       (reshards per reshard_after_forward) when every module of it ran, or at the root's end of
+                       forward
     first pre-backward begin_backward: agree with the other ranks which units this backward runs (one small
                        all-reduce); queue the final callback
     unit pre-backward  gather_for_backward: the gather cursor issues every backward all-gather up to this unit
@@ -36,13 +37,24 @@ from .backward import BackwardWalk, graph_task
 from .checks import check_ranks_agree
 from .collectives import labelled, side_stream
 from .grads import GradState
-from .program import Program, StepSchedule, backward_program, control_group, unit_names
-from .schedule import Agreement, PendingAgreement, StepAbandoned, agreement_group, start_agreement
+from .program import (
+    Agreement,
+    PendingAgreement,
+    Program,
+    StepAbandoned,
+    StepSchedule,
+    agreement_group,
+    backward_program,
+    control_group,
+    start_agreement,
+    unit_names,
+)
 from .unit import UnitState
 
 if TYPE_CHECKING:
+    from .autograd_hooks import ForwardCall
     from .flat import ManagedParam
-    from .state import ShardState, _Entry
+    from .state import ShardState
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +78,7 @@ class StepContext:
         self.phase = StepPhase.IDLE
         self.backward: BackwardWalk | None = None
         self.programs: list[Program] = []  # the programs of this step's backwards, as compiled (program.py)
-        # This backward's agreement (schedule.py), until the final callback reads it; the group it goes over.
+        # This backward's agreement (program.py), until the final callback reads it; the group it goes over.
         self.agreement: PendingAgreement | None = None
         self.agreement_group = agreement_group(root.unit.dp)
         # The step already ended on every rank (this rank raised StepAbandoned, or its fc.reset_step met the others
@@ -380,7 +392,7 @@ def _closing_word(step: StepContext, *, abandoning: bool, program: Program | Non
 
 
 def _build_walk(
-    step: StepContext, participants: list[bool], running_calls: dict[int, list[_Entry]], running: object = None
+    step: StepContext, participants: list[bool], running_calls: dict[int, list[ForwardCall]], running: object = None
 ) -> BackwardWalk:
     """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs."""
     takes_part = {id(s) for s, p in zip(step.states, participants, strict=True) if p}
@@ -494,7 +506,7 @@ def _decide_flag_columns(states: list[ShardState], agreed: Agreement) -> None:
         state.unit.grads.input.flags_needed = needed if layout == 0 else layout == 2
 
 
-def _recomputes_inside(running_calls: dict[int, list[_Entry]]) -> bool:
+def _recomputes_inside(running_calls: dict[int, list[ForwardCall]]) -> bool:
     """Does this backward run a reentrant activation checkpoint (``torch.utils.checkpoint(use_reentrant=True)``,
     or Megatron's or DeepSpeed's, which share the name ``CheckpointFunction``)?
 

@@ -7,7 +7,7 @@ healing takes part in every all-reduce with zeros. torch's ``fully_shard`` avera
 replicate group's size at the reduction, not by the mesh's size at ``fully_shard``. Both are compared with one
 process training on the batches of the participating ranks.
 
-The backward's agreement (schedule.py) must not cross such a group: its all-reduce zeroes a healing replica's values
+The backward's agreement (program.py) must not cross such a group: its all-reduce zeroes a healing replica's values
 and turns failures into no-ops (torchft), so ranks of one shard group could leave it with different schedules. It runs
 over ``DataParallelMesh.agreement_groups``, as the collective checks do (docs/integrations.md, "torchft").
 """

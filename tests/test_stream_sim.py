@@ -17,7 +17,7 @@ import pytest
 
 import fsdp_compose.delivery as delivery_module
 import fsdp_compose.gathering as gathering_module
-import fsdp_compose.schedule as schedule_module
+import fsdp_compose.program as schedule_module
 from tests.random_models import config_from_seed
 from tests.stream_sim import on_recording_streams, recording_streams
 from tests.test_accelerator_path import CASES as SWEEP_CASES

@@ -171,8 +171,14 @@ class BackwardWalk:
         )
 
     def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
-        """A full parameter of ``state`` got its gradient: free it where ``_frees_early`` allows; issue the unit's
-        midway prefetch once half its parameter bytes are freed and the window has room (else later, or at its end)."""
+        """A full parameter of ``state`` got its gradient: hand it to the unit's gradients (an accumulating unit
+        writes it into its reduce-scatter input at once: ``make_room`` first where that input is new); free the
+        parameter where ``_frees_early`` allows; issue the unit's midway prefetch once half its parameter bytes are
+        freed and the window has room (else later, or at its end)."""
+        grads = state.unit.grads
+        if grads.accumulating and grads.input.buffer is None:
+            self.make_room()
+        grads.capture(mp)
         if not self._frees_early(state):
             return
         freed = state.unit.gather.free_early(mp)
@@ -239,6 +245,8 @@ class BackwardWalk:
                     prefetched.gather_now()
         state.opened = False
         grads = state.unit.grads
+        if grads.trainable and grads.input.buffer is None:
+            self.make_room()  # its gradients are about to fill a new reduce-scatter input
         if id(state) not in self.reduces:
             grads.accumulate()
         elif grads.trainable:
@@ -282,6 +290,8 @@ class BackwardWalk:
             grads = state.unit.grads
             if id(state) in self.reduces and grads.trainable:
                 if grads.state is not GradState.STAGED:
+                    if grads.input.buffer is None:
+                        self.make_room()
                     self._run("all_reduce", state, grads, grads.stage)
                 if not self.accelerated:
                     # The window's wait on CPU (``make_room``): older reductions complete before this one is issued,

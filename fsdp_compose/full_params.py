@@ -45,7 +45,7 @@ class GradientOwner(Protocol):
     call (a unit rebuilds it when its dtypes change)."""
 
     grads: UnitGradients
-    # Set by the step context: told each time a full parameter's gradient was made (after ``grads.capture``), so
+    # Set by the step context: handed each full parameter's gradient as it is made (it calls ``grads.capture``), so
     # that backward may free the full parameter at once (see ``FullParams.free_early``).
     on_gradient: Callable[[ManagedParam], None] | None
 
@@ -65,9 +65,10 @@ class _CaptureGrad:
     def __call__(self, param: torch.Tensor) -> None:
         owner, mp = self.owner(), self.mp()
         if owner is not None and mp is not None:
-            owner.grads.capture(mp)
             if owner.on_gradient is not None:
-                owner.on_gradient(mp)
+                owner.on_gradient(mp)  # the step's: it makes room in the reduce-scatter window first
+            else:
+                owner.grads.capture(mp)
 
 
 class FullParams:

@@ -14,8 +14,6 @@ it will run each of them (``expects_gradient``); the step's agreement combines t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from .autograd_hooks import gradient_node
@@ -138,7 +136,7 @@ class ReduceScatterInput:
                 buffer[:, segment + self.column[id(mp)]].zero_()
             self.written.add(id(mp))  # its region now holds a (zero) gradient: later writes add to it
 
-    def stage_all(self, pre: float, make_room: Callable[[], None] | None, *, zero_unused: bool | None) -> bool:
+    def stage_all(self, pre: float, *, zero_unused: bool | None) -> bool:
         """The common case in one op: nothing accumulated and every trainable parameter has its gradient here.
 
         ``torch._chunk_cat`` chunks each gradient on dim 0 into ``world_size`` padded chunks and lays chunk ``r`` of
@@ -167,8 +165,6 @@ class ReduceScatterInput:
         dtype = dtypes.pop()
         if pre != 1.0 and dtype != spec.reduce_dtype:
             return False  # the per-parameter path divides before the cast (bit-identical results either way)
-        if make_room is not None:
-            make_room()
         if zero_unused is not None:  # None: keep the layout of the partial sums held
             self.choose_layout(zero_unused=zero_unused)
         buffer = torch.empty(

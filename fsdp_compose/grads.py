@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,9 +78,6 @@ class UnitGradients:
         self.state = GradState.IDLE
         self.flight: _InFlight | None = None  # REDUCE_SCATTERING / ALL_REDUCING
         self.replica_partial: torch.Tensor | None = None  # HSDP partial sums while the all-reduce is skipped
-        # Set by the step context: completes another unit's reduce-scatter in flight, so that at most one full-size
-        # gradient buffer (the one being filled) is alive at a time.
-        self.make_room: Callable[[], None] | None = None
         self.divide_factor: float | None = None  # fc.set_gradient_divide_factor (None: the data-parallel size)
         # FSDP2's set_reduce_scatter_unused_params(True): a parameter no rank had a gradient for gets a zero
         # ``.grad`` instead of keeping None.
@@ -111,12 +107,9 @@ class UnitGradients:
                 "(or zero_grad and start over) before freezing or unfreezing parameters"
             )
         self.input.refresh(params)
+        # The parameters that take part, as of this refresh (the reduce-scatter input's layout holds them).
+        self.trainable: list[ManagedParam] = self.input.trainable
         self.delivery.layout = self.input.rows
-
-    @property
-    def trainable(self) -> list[ManagedParam]:
-        """The parameters that take part, as of the last refresh (the reduce-scatter input's layout holds them)."""
-        return self.input.trainable
 
     @property
     def layout(self) -> FlatLayout:
@@ -175,8 +168,6 @@ class UnitGradients:
 
     def _buffer_for_writing(self) -> None:
         if self.input.buffer is None:
-            if self.make_room is not None:
-                self.make_room()
             if self.replica_partial is None:  # HSDP partial sums held fix the layout until delivered
                 self.input.choose_layout(zero_unused=self.zero_unused)
             self.input.new_buffer()
@@ -208,7 +199,7 @@ class UnitGradients:
             self.finish()  # a second use of the unit in one backward: its first reduction completes first
         if self.state is GradState.IDLE:
             layout = None if self.replica_partial is not None else self.zero_unused  # partial sums fix the layout
-            if self.input.stage_all(self._pre_divisor(), self.make_room, zero_unused=layout):
+            if self.input.stage_all(self._pre_divisor(), zero_unused=layout):
                 self._to(GradState.STAGED)
                 return
         self._flush()

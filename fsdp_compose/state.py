@@ -170,7 +170,7 @@ class ShardState:
         self.unshard_in_backward = True
         # Set at lazy init.
         self.root: ShardState | None = None
-        self.ctx: StepOwner | None = None  # on the root only
+        self.ctx: StepOwner | None = None  # the root's step, on every state under it
         # Makes the root's step at lazy init (``step.StepContext``, handed in by ``fully_shard``).
         self.make_step: Callable[[ShardState, list[ShardState]], StepOwner] | None = None
         # Full parameters kept across the last (no-sync) backward by reshard_after_backward=False.
@@ -233,22 +233,11 @@ class ShardState:
         replicas = self.unit.dp.replicate_group is not None
         return self.requires_gradient_sync and (self.requires_all_reduce or not replicas)
 
-    @property
-    def root_ctx(self) -> StepOwner | None:
-        root = self.root
-        return root.ctx if root is not None else None
-
     # ------------------------------------------------------------------ gathering
     def compute_dtype(self, module: nn.Module) -> torch.dtype:
         if self.full_precision_in_eval and not module.training:
             return self.unit.orig_dtype
         return self.unit.param_dtype
-
-    @property
-    def gather_stream(self) -> torch.Stream | None:
-        """The root's side stream for all-gather copy-in (None on a CPU device or before lazy init)."""
-        ctx = self.root_ctx
-        return ctx.gather_stream if ctx is not None else None
 
     def start_gather(self, *, async_op: bool) -> None:
         """Issue this unit's all-gather in its compute dtype if it needs one (or is gathered in another dtype)."""
@@ -257,7 +246,9 @@ class ShardState:
         if gather.state in (UnitState.UNSHARDED, UnitState.GATHERING) and gather.compute_dtype != dtype:
             gather.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
         if gather.needs_gather:
-            self.unit.start_unshard(dtype, async_op=async_op, stream=self.gather_stream)
+            # copy-in on the root's side stream (None on a CPU device, or before lazy init)
+            stream = self.ctx.gather_stream if self.ctx is not None else None
+            self.unit.start_unshard(dtype, async_op=async_op, stream=stream)
 
     def gather_now(self) -> None:
         self.start_gather(async_op=False)
@@ -277,9 +268,8 @@ class ShardState:
         if in_backward():
             # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
             # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
-            ctx = self.root_ctx
-            if ctx is not None:
-                ctx.gather_for_backward(self)
+            if self.ctx is not None:
+                self.ctx.gather_for_backward(self)
             else:
                 self.gather_now()
             args, kwargs = cast_inputs(self, module, args, kwargs, self.compute_dtype(module))
@@ -290,14 +280,14 @@ class ShardState:
             return args, kwargs
         if self.root is None:
             lazy_init(self)
-        if self.ctx is not None and self.active == 0:
-            args, kwargs = self.ctx.begin_forward(args, kwargs)
+        ctx = self.ctx
+        if ctx is not None and self.root is self and self.active == 0:
+            args, kwargs = ctx.begin_forward(args, kwargs)
         compute_dtype = self.compute_dtype(module)
         if not self.opened or id(module) not in self.pending_modules:
             self._open(module, compute_dtype)  # first call of this unit since it closed, or a module run again
         self.pending_modules.discard(id(module))
         self.active += 1
-        ctx = self.root_ctx
         entry = ForwardCall(ctx.next_call_number() if ctx is not None else 0)
         self.calls.setdefault(id(module), []).append(entry)
         args, kwargs = cast_inputs(self, module, args, kwargs, compute_dtype)
@@ -318,14 +308,14 @@ class ShardState:
         unit.gather.explicit = False  # an fc.unshard issued before this forward is consumed here
         unit.grads.accumulating = not self.reduces_now
         self.kept_unsharded = False
-        unit.start_unshard(compute_dtype, async_op=False, stream=self.gather_stream)
+        ctx = self.ctx
+        unit.start_unshard(compute_dtype, async_op=False, stream=ctx.gather_stream if ctx is not None else None)
         unit.gather.finish()
         unit.grads.input.note_accumulators()
         self.opened = True
         self.entered = True
         self.opening_needs_backward = False
         self.pending_modules = {id(m) for m in self.modules}
-        ctx = self.root_ctx
         if ctx is not None and not ctx.in_backward:
             if self.forward_prefetch is not None:
                 targets = self.forward_prefetch
@@ -348,7 +338,7 @@ class ShardState:
             return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
         calls = self.calls.get(id(module))
         if not calls or self.active == 0:
-            if self.ctx is not None and output is None and self.active == 0:
+            if self.ctx is not None and self.root is self and output is None and self.active == 0:
                 self.ctx.end_forward(raised=True)  # the root's forward raised before any unit call ended
             return output  # its pre-forward did not run (e.g. it raised before)
         entry = calls.pop()
@@ -371,7 +361,7 @@ class ShardState:
             self.entries.append(entry)  # recomputed in backward (reentrant checkpoint): resharded until then
         if self.active == 0 and not self.pending_modules:
             self.close_forward()
-        if self.ctx is not None and self.active == 0:
+        if self.ctx is not None and self.root is self and self.active == 0:
             self.ctx.end_forward(raised=output is None)
         return output
 
@@ -394,7 +384,7 @@ class ShardState:
     def pre_backward(self, node: object = None) -> None:
         with labelled(f"fsdp_compose::pre_backward[{self.unit.owner_name}]"):
             check_not_compiled_autograd(self.unit.owner_name)
-            ctx = self.root_ctx
+            ctx = self.ctx
             if ctx is None:
                 self.gather_now()
                 return
@@ -406,7 +396,7 @@ class ShardState:
     @_outside_compile
     def post_backward(self) -> None:
         """One call's backward is done; the step context finishes the unit once every call it runs here is."""
-        ctx = self.root_ctx
+        ctx = self.ctx
         if ctx is not None:
             with labelled(f"fsdp_compose::post_backward[{self.unit.owner_name}]"):
                 ctx.call_backward_done(self)
@@ -450,6 +440,8 @@ def lazy_init(root: ShardState) -> None:
     if root.make_step is None:
         raise RuntimeError(f"internal error in fsdp_compose: {root.unit.owner_name} has no step factory")
     root.ctx = root.make_step(root, states)
+    for state in states:
+        state.ctx = root.ctx
     logger.debug("lazy init: root %s with %d units", root.unit.owner_name, len(states))
 
 
@@ -503,7 +495,7 @@ def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entr
         state.opening_needs_backward = True
     if state.active == 0 and not state.pending_modules:
         state.close_forward()
-    if state.ctx is not None and state.active == 0:
+    if state.ctx is not None and state.root is state and state.active == 0:
         state.ctx.end_forward()
     return output
 

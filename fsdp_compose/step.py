@@ -97,7 +97,6 @@ class StepContext:
         # a wait cycle between ranks' streams shows as a hang there.
         self.accelerated = root.device.type != "cpu"
         for state in states:
-            state.unit.grads.make_room = self.make_room
             state.unit.on_gradient = functools.partial(self.gradient_made, state)
 
     @property
@@ -216,14 +215,12 @@ class StepContext:
             self.backward.call_backward_done(state)
 
     def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
-        """A full parameter of ``state``'s unit got its gradient (see ``BackwardWalk.gradient_made``)."""
+        """A full parameter of ``state``'s unit got its gradient: the walk takes it (``BackwardWalk.gradient_made``);
+        outside a backward of this root, only the unit's gradients do."""
         if self.backward is not None:
             self.backward.gradient_made(state, mp)
-
-    def make_room(self) -> None:
-        """Called by a unit's gradients before they fill a new reduce-scatter input (see ``BackwardWalk``)."""
-        if self.backward is not None:
-            self.backward.make_room()
+        else:
+            state.unit.grads.capture(mp)
 
     # ------------------------------------------------------------------ the end of a step
     def _keeps_after_backward(self, state: ShardState) -> bool:
@@ -273,7 +270,9 @@ class StepContext:
                 # chunked loss runs the head's backward once per chunk, then the body's).
                 state.ran += [e for e in state.entries if id(e) in bp.consumed and not e.outputs_pending()]
                 state.entries = [e for e in state.entries if id(e) not in bp.consumed or e.outputs_pending()]
-                state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
+                replaced = state.unit.shards.replaced
+                if replaced.refs:  # (usually none) an optimizer built before fully_shard fails at its step
+                    replaced.arm()
             self.gradients_held = any(state.unit.grads.state is GradState.ACCUMULATING for state in self.states)
             self.draining = False
             self.backward = None

@@ -295,5 +295,4 @@ def _rebuilt_gradients(old: UnitGradients, spec: ReduceSpec, params: list[Manage
     new = UnitGradients(spec, params)
     _carry_settings(old, new)
     new.delivery.on_finished = old.delivery.on_finished
-    new.make_room = old.make_room
     return new

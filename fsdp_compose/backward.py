@@ -171,10 +171,8 @@ class BackwardWalk:
         )
 
     def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
-        """A full parameter of ``state`` got its gradient: hand it to the unit's gradients (an accumulating unit
-        writes it into its reduce-scatter input at once: ``make_room`` first where that input is new); free the
-        parameter where ``_frees_early`` allows; issue the unit's midway prefetch once half its parameter bytes are
-        freed and the window has room (else later, or at its end)."""
+        """A full parameter of ``state`` got its gradient: to the unit's gradients (``make_room`` first where they
+        fill a new input); free it where ``_frees_early`` allows; midway prefetch once half the unit is freed."""
         grads = state.unit.grads
         if grads.accumulating and grads.input.buffer is None:
             self.make_room()
@@ -234,19 +232,24 @@ class BackwardWalk:
             # the unit or not. One still gathering (never needed here) is freed in the final callback, when waiting
             # for its all-gather cannot block a peer.
             state.unit.gather.reshard()
+        # A peer issues what ``state`` prefetched midway at the latest when its gather cursor passes ``state`` or at
+        # the end of its own backward of ``state``; until then it may block only on all-gathers up to ``state`` and
+        # reductions before it. So this rank may wait for that all-gather once its reduce cursor is at ``state``
+        # (always, in a model run in registration order): else a stream wait could close a cycle between two ranks.
+        cursor = self.reduce_cursor
+        may_wait = cursor < len(self.reduce_order) and self.reduce_order[cursor] is state
         for prefetched in self.landing.pop(id(state), []):
             # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
-            # then it never meets this unit's reduce-scatter input and output (issued next). On every device only
-            # where no peer can be waiting for a reduction this rank has not issued yet (``_may_wait_for_landing``),
-            # or if the all-gather has arrived already: a stream wait there can close a cycle between two ranks.
+            # then it never meets this unit's reduce-scatter input and output (issued next); where it may not wait,
+            # or the all-gather has not arrived, at its pre-backward.
             unit = prefetched.unit
             if unit.gather.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
-                if unit.gather.arrived() or self._may_wait_for_landing(state):
+                if unit.gather.arrived() or may_wait:
                     prefetched.gather_now()
         state.opened = False
         grads = state.unit.grads
         if grads.trainable and grads.input.buffer is None:
-            self.make_room()  # its gradients are about to fill a new reduce-scatter input
+            self.make_room()  # a new reduce-scatter input is filled next
         if id(state) not in self.reduces:
             grads.accumulate()
         elif grads.trainable:
@@ -254,16 +257,6 @@ class BackwardWalk:
         deferred = self.deferred.pop(id(state), None)
         if deferred is not None:
             self._prefetch(deferred.targets, after_reductions=True)
-
-    def _may_wait_for_landing(self, state: ShardState) -> bool:
-        """May this rank block, at the end of ``state``, on the all-gather ``state`` prefetched midway?
-
-        A peer issues it at the latest when its gather cursor passes ``state`` or at the end of its own backward of
-        ``state``; until then it may block only on all-gathers up to ``state`` (this rank issued them) and reductions
-        before ``state`` in the reduce order. So the wait is safe once this rank's reduce cursor reached ``state``
-        (always, in a model run in registration order); otherwise the copy-out waits for its pre-backward."""
-        cursor = self.reduce_cursor
-        return cursor < len(self.reduce_order) and self.reduce_order[cursor] is state
 
     def _advance_gathers(self, target: int, needed: ShardState | None = None) -> None:
         """Move the gather cursor past position ``target``, issuing every backward all-gather on the way (``needed``
@@ -327,12 +320,10 @@ class BackwardWalk:
         self.reducing = still
 
     def make_room(self) -> None:
-        """Before a new reduce-scatter input is filled: on an accelerator fewer than ``max_reduce_inputs`` others
-        may stay alive (``set_reduce_scatter_max_input_buffers``, FSDP2's meaning; default 1: the previous
-        reduce-scatter completes before the next input is filled). On a CPU device a wait blocks the host: here only
-        what completed is freed (``reap``); the wait comes just before the new reduce-scatter is issued
-        (``issue_reductions``, docs/schedule.md "The reduce-scatter window"). Either way only once this rank issued
-        every backward all-gather a peer may need first (``wait_after``): memory, never a cycle between ranks.
+        """Before a new reduce-scatter input is filled: on an accelerator at most ``max_reduce_inputs - 1`` others
+        stay alive (FSDP2's ``set_reduce_scatter_max_input_buffers``). On CPU a wait blocks the host: only what
+        completed is freed here, the wait comes before the issue (``issue_reductions``; docs/schedule.md "The
+        reduce-scatter window"). Either way only once every all-gather a peer may need first is out (``wait_after``).
         """
         if not self.accelerated:
             self.reap()

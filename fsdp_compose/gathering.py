@@ -20,10 +20,8 @@ drives it through ``ShardedUnit``'s methods of the same purpose. A transition no
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed.fsdp as torch_fsdp
@@ -58,22 +56,6 @@ _ALLOWED: dict[UnitState, frozenset[UnitState]] = {
 }
 
 
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _plain_tensors(method: _Method) -> _Method:
-    """Run ``method`` with torch.func's transforms (``jvp``, ``vmap``, ``grad``) switched off: the buffers and full
-    parameters it makes are the unit's own, plain tensors, never wrapped for the transform of the forward that
-    gathers them. Inside the transform the parameters are then constants, as torch's ``fully_shard`` makes them."""
-
-    @functools.wraps(method)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with torch._C._DisableFuncTorch():
-            return method(*args, **kwargs)
-
-    return cast(_Method, run)
-
-
 @dataclass
 class _PendingGather:
     """An all-gather in flight. It holds its input too: an asynchronous collective reads it until the wait."""
@@ -101,7 +83,13 @@ def _free_gathered(pending: _PendingGather, device: torch.device) -> None:
 
 
 class UnitGather:
-    """The all-gathers of one unit's ``shards`` over the data-parallel mesh's shard group, and its ``UnitState``."""
+    """The all-gathers of one unit's ``shards`` over the data-parallel mesh's shard group, and its ``UnitState``.
+
+    ``start``, ``finish`` and ``reshard`` run with torch.func's transforms (``jvp``, ``vmap``, ``grad``) switched off:
+    the buffers and full parameters they make are the unit's own, plain tensors, never wrapped for the transform of
+    the forward that gathers them. Inside the transform the parameters are then constants, as torch's
+    ``fully_shard`` makes them.
+    """
 
     def __init__(
         self,
@@ -138,7 +126,6 @@ class UnitGather:
         self.state = new
 
     # ------------------------------------------------------------------ issue
-    @_plain_tensors
     def start(
         self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None, adopt: Callable[[], None]
     ) -> None:
@@ -148,55 +135,56 @@ class UnitGather:
         current stream; always None on a CPU device). ``finish`` makes the compute stream wait for it. ``adopt``
         runs before gathering from the shards: the unit picks up parameters replaced or cast since.
         """
-        if self.state is UnitState.GROUP_SHARDED:
-            block = self._group_block
-            self._group_block = None
-            if block is not None and block.dtype == dtype:
-                self._start_group_gather(block, async_op=async_op)
+        with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
+            if self.state is UnitState.GROUP_SHARDED:
+                block = self._group_block
+                self._group_block = None
+                if block is not None and block.dtype == dtype:
+                    self._start_group_gather(block, async_op=async_op)
+                    return
+                self._to(UnitState.SHARDED)  # gathered in another precision since: gather from the shards
+            if self.state is not UnitState.SHARDED:
                 return
-            self._to(UnitState.SHARDED)  # gathered in another precision since: gather from the shards
-        if self.state is not UnitState.SHARDED:
-            return
-        adopt()
-        self.compute_dtype = dtype
-        if not self.shards.uniform:
-            self._start_plan(dtype, async_op=async_op)
-            return
-        transform = self.extensions.all_gather
-        numel = self.shards.layout.segment_numel
-        flat = self.shards.flat
-        cast_in_place = transform is None and dtype != flat.dtype and self.world_size > 1 and numel > 0
-        gathers = self.world_size > 1 and numel > 0
-        if transform is not None:
-            stream = None  # an extension's encode decides the collective's size: it runs on the compute stream
-        # Allocated on the compute stream, which frees it after the copy-out (the rule in collectives.py).
-        gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device) if gathers else None
-        with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"), issued_on(stream, self.device):
-            if cast_in_place:
-                # Cast straight into this rank's segment of the output and all-gather in place (the input is a view
-                # of the output): no separate low-precision copy of the shard lives next to the output while it
-                # runs. Offloaded, the shard crosses to the device in its own dtype first and is cast there.
-                if gathered is None:
-                    raise internal_error(f"unit {self.owner_name}", "gathered is missing")
-                shard = gathered[self.rank * numel : (self.rank + 1) * numel]
-                shard.copy_(self.devices.to_compute(flat, flat.dtype) if self.devices.offloaded else flat)
-                work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
-                pending = _PendingGather(work, gathered, shard, encoded=False)
-            else:
-                shard = self.devices.to_compute(flat, dtype) if self.devices.offloaded else flat.to(dtype)
-                if transform is not None and gathers:
-                    shard = transform.encode(shard)
-                    gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=self.device)
-                if gathered is None:
-                    pending = _PendingGather(None, shard, shard, encoded=False, collective=False)
-                else:
+            adopt()
+            self.compute_dtype = dtype
+            if not self.shards.uniform:
+                self._start_plan(dtype, async_op=async_op)
+                return
+            transform = self.extensions.all_gather
+            numel = self.shards.layout.segment_numel
+            flat = self.shards.flat
+            cast_in_place = transform is None and dtype != flat.dtype and self.world_size > 1 and numel > 0
+            gathers = self.world_size > 1 and numel > 0
+            if transform is not None:
+                stream = None  # an extension's encode decides the collective's size: it runs on the compute stream
+            # Allocated on the compute stream, which frees it after the copy-out (the rule in collectives.py).
+            gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device) if gathers else None
+            with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"), issued_on(stream, self.device):
+                if cast_in_place:
+                    # Cast straight into this rank's segment of the output and all-gather in place (the input is a view
+                    # of the output): no separate low-precision copy of the shard lives next to the output while it
+                    # runs. Offloaded, the shard crosses to the device in its own dtype first and is cast there.
+                    if gathered is None:
+                        raise internal_error(f"unit {self.owner_name}", "gathered is missing")
+                    shard = gathered[self.rank * numel : (self.rank + 1) * numel]
+                    shard.copy_(self.devices.to_compute(flat, flat.dtype) if self.devices.offloaded else flat)
                     work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
-                    pending = _PendingGather(work, gathered, shard, encoded=transform is not None)
-        if stream is not None:
-            pending.issued = record_event(self.device, stream)
-        self._pending_gather = pending
-        self.issued += pending.collective
-        self._to(UnitState.GATHERING)
+                    pending = _PendingGather(work, gathered, shard, encoded=False)
+                else:
+                    shard = self.devices.to_compute(flat, dtype) if self.devices.offloaded else flat.to(dtype)
+                    if transform is not None and gathers:
+                        shard = transform.encode(shard)
+                        gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=self.device)
+                    if gathered is None:
+                        pending = _PendingGather(None, shard, shard, encoded=False, collective=False)
+                    else:
+                        work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
+                        pending = _PendingGather(work, gathered, shard, encoded=transform is not None)
+            if stream is not None:
+                pending.issued = record_event(self.device, stream)
+            self._pending_gather = pending
+            self.issued += pending.collective
+            self._to(UnitState.GATHERING)
 
     def _start_plan(self, dtype: torch.dtype, *, async_op: bool) -> None:
         """Several dtype groups or protocol parameters: one all-gather of all their inputs (see full_params.py).
@@ -260,27 +248,27 @@ class UnitGather:
         pending = self._pending_gather
         return pending is None or pending.work is None or pending.work.is_completed()
 
-    @_plain_tensors
     def finish(self) -> None:
         """Wait for the all-gather, fill the full parameters and register them on the modules."""
-        if self.state is not UnitState.GATHERING:
-            return
-        if self._pending_gather is None or self.compute_dtype is None:
-            raise internal_error(f"unit {self.owner_name}", "self._pending_gather or self.compute_dtype is missing")
-        pending, self._pending_gather = self._pending_gather, None
-        wait_for(pending.issued, self.device)
-        if pending.work is not None:
-            with labelled(f"fsdp_compose::all_gather_wait[{self.owner_name}]"):
-                pending.work.wait()
-        dtype = self.compute_dtype
-        with labelled(f"fsdp_compose::all_gather_copy_out[{self.owner_name}]"):
-            if pending.plan is not None:
-                self.fulls.copy_out_plan(pending.plan, dtype)
-            else:
-                self.fulls.copy_out(self._segments(pending, dtype), dtype)
-            _free_gathered(pending, self.device)
-            self.fulls.register(dtype)
-        self._to(UnitState.UNSHARDED)
+        with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
+            if self.state is not UnitState.GATHERING:
+                return
+            if self._pending_gather is None or self.compute_dtype is None:
+                raise internal_error(f"unit {self.owner_name}", "self._pending_gather or self.compute_dtype is missing")
+            pending, self._pending_gather = self._pending_gather, None
+            wait_for(pending.issued, self.device)
+            if pending.work is not None:
+                with labelled(f"fsdp_compose::all_gather_wait[{self.owner_name}]"):
+                    pending.work.wait()
+            dtype = self.compute_dtype
+            with labelled(f"fsdp_compose::all_gather_copy_out[{self.owner_name}]"):
+                if pending.plan is not None:
+                    self.fulls.copy_out_plan(pending.plan, dtype)
+                else:
+                    self.fulls.copy_out(self._segments(pending, dtype), dtype)
+                _free_gathered(pending, self.device)
+                self.fulls.register(dtype)
+            self._to(UnitState.UNSHARDED)
 
     def _segments(self, pending: _PendingGather, dtype: torch.dtype) -> torch.Tensor:
         """The flat all-gather's output as ``(world_size, segment)`` rows (decoded by an extension)."""
@@ -292,18 +280,18 @@ class UnitGather:
         return pending.output.view(self.world_size, segment_numel)
 
     # ------------------------------------------------------------------ free
-    @_plain_tensors
     def reshard(self) -> None:
         """Register the sharded parameters again and free the full parameters' storage (keeping the objects)."""
-        if self.state is UnitState.GATHERING:
-            self.finish()
-        self.explicit = False
-        if self.state is UnitState.GROUP_SHARDED:
-            self._group_block = None
-            self._to(UnitState.SHARDED)
-        if self.state is UnitState.UNSHARDED:
-            self.fulls.free()
-            self._to(UnitState.SHARDED)
+        with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
+            if self.state is UnitState.GATHERING:
+                self.finish()
+            self.explicit = False
+            if self.state is UnitState.GROUP_SHARDED:
+                self._group_block = None
+                self._to(UnitState.SHARDED)
+            if self.state is UnitState.UNSHARDED:
+                self.fulls.free()
+                self._to(UnitState.SHARDED)
 
     def reshard_to_group(self) -> None:
         """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest.

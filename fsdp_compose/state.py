@@ -260,42 +260,37 @@ class ShardState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         with labelled(f"fsdp_compose::pre_forward[{self.unit.owner_name}]"):
-            return self._pre_forward(module, args, kwargs)
-
-    def _pre_forward(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if in_backward():
-            # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
-            # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
-            if self.ctx is not None:
-                self.ctx.gather_for_backward(self)
-            else:
-                self.gather_now()
-            args, kwargs = cast_inputs(self, module, args, kwargs, self.compute_dtype(module))
-            if self.recomputes_due and torch.is_grad_enabled():
-                # A reentrant checkpoint's recompute: its own backward follows, which ends this call's backward.
-                self.recomputes_due -= 1
-                args, kwargs = _wrap_inputs(self, args, kwargs, ForwardCall(), per_input=False)
+            if in_backward():
+                # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
+                # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
+                if self.ctx is not None:
+                    self.ctx.gather_for_backward(self)
+                else:
+                    self.gather_now()
+                args, kwargs = cast_inputs(self, module, args, kwargs, self.compute_dtype(module))
+                if self.recomputes_due and torch.is_grad_enabled():
+                    # A reentrant checkpoint's recompute: its own backward follows, which ends this call's backward.
+                    self.recomputes_due -= 1
+                    args, kwargs = _wrap_inputs(self, args, kwargs, ForwardCall(), per_input=False)
+                return args, kwargs
+            if self.root is None:
+                lazy_init(self)
+            ctx = self.ctx
+            if ctx is not None and self.root is self and self.active == 0:
+                args, kwargs = ctx.begin_forward(args, kwargs)
+            compute_dtype = self.compute_dtype(module)
+            if not self.opened or id(module) not in self.pending_modules:
+                self._open(module, compute_dtype)  # first call of this unit since it closed, or a module run again
+            self.pending_modules.discard(id(module))
+            self.active += 1
+            entry = ForwardCall(ctx.next_call_number() if ctx is not None else 0)
+            self.calls.setdefault(id(module), []).append(entry)
+            args, kwargs = cast_inputs(self, module, args, kwargs, compute_dtype)
+            if torch.is_grad_enabled():
+                args, kwargs = _wrap_inputs(self, args, kwargs, entry)
+            elif not torch.is_inference_mode_enabled():
+                _note_recomputable(self, entry, args, kwargs)
             return args, kwargs
-        if self.root is None:
-            lazy_init(self)
-        ctx = self.ctx
-        if ctx is not None and self.root is self and self.active == 0:
-            args, kwargs = ctx.begin_forward(args, kwargs)
-        compute_dtype = self.compute_dtype(module)
-        if not self.opened or id(module) not in self.pending_modules:
-            self._open(module, compute_dtype)  # first call of this unit since it closed, or a module run again
-        self.pending_modules.discard(id(module))
-        self.active += 1
-        entry = ForwardCall(ctx.next_call_number() if ctx is not None else 0)
-        self.calls.setdefault(id(module), []).append(entry)
-        args, kwargs = cast_inputs(self, module, args, kwargs, compute_dtype)
-        if torch.is_grad_enabled():
-            args, kwargs = _wrap_inputs(self, args, kwargs, entry)
-        elif not torch.is_inference_mode_enabled():
-            _note_recomputable(self, entry, args, kwargs)
-        return args, kwargs
 
     def _open(self, module: nn.Module, compute_dtype: torch.dtype) -> None:
         """Gather the unit for forward (a no-op when it is gathered already) and prefetch the next in the schedule."""
@@ -330,40 +325,37 @@ class ShardState:
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Also runs when forward raised (``always_call``): ``output`` is then None and the call just ends."""
         with labelled(f"fsdp_compose::post_forward[{self.unit.owner_name}]"):
-            return self._post_forward(module, output)
-
-    def _post_forward(self, module: nn.Module, output: Any) -> Any:
-        output = cast_outputs(self, module, output)
-        if in_backward():
-            return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
-        calls = self.calls.get(id(module))
-        if not calls or self.active == 0:
-            if self.ctx is not None and self.root is self and output is None and self.active == 0:
-                self.ctx.end_forward(raised=True)  # the root's forward raised before any unit call ended
-            return output  # its pre-forward did not run (e.g. it raised before)
-        entry = calls.pop()
-        self.active -= 1
-        found = tensors_in(output) if torch.is_grad_enabled() else []
-        if torch._C._are_functorch_transforms_active():
-            # Inside torch.func.jvp / vmap / grad an autograd Function without setup_context raises, also on plain
-            # outputs (a unit called on a tensor captured from outside the transform): hook them instead.
-            return _hook_transformed_outputs(self, found, entry, output)
-        needing = unique_tensors(t for t in found if t.requires_grad)
-        if needing:
-            # One node per output (why: ForwardCall): an output the loss ignores leaves the unit out of the graph.
-            hooked = [_PreBackward.apply(self, t) for t in needing]
-            entry.pre = [weakref.ref(t.grad_fn) for t in hooked]
-            replacement = {id(old): new for old, new in zip(needing, hooked, strict=True)}
-            output = map_tensors(lambda t: replacement.get(id(t), t), output)
-            self.entries.append(entry)
-            self.opening_needs_backward = True
-        elif entry.inputs is not None and not found:
-            self.entries.append(entry)  # recomputed in backward (reentrant checkpoint): resharded until then
-        if self.active == 0 and not self.pending_modules:
-            self.close_forward()
-        if self.ctx is not None and self.root is self and self.active == 0:
-            self.ctx.end_forward(raised=output is None)
-        return output
+            output = cast_outputs(self, module, output)
+            if in_backward():
+                return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
+            calls = self.calls.get(id(module))
+            if not calls or self.active == 0:
+                if self.ctx is not None and self.root is self and output is None and self.active == 0:
+                    self.ctx.end_forward(raised=True)  # the root's forward raised before any unit call ended
+                return output  # its pre-forward did not run (e.g. it raised before)
+            entry = calls.pop()
+            self.active -= 1
+            found = tensors_in(output) if torch.is_grad_enabled() else []
+            if torch._C._are_functorch_transforms_active():
+                # Inside torch.func.jvp / vmap / grad an autograd Function without setup_context raises, also on plain
+                # outputs (a unit called on a tensor captured from outside the transform): hook them instead.
+                return _hook_transformed_outputs(self, found, entry, output)
+            needing = unique_tensors(t for t in found if t.requires_grad)
+            if needing:
+                # One node per output (why: ForwardCall): an output the loss ignores leaves the unit out of the graph.
+                hooked = [_PreBackward.apply(self, t) for t in needing]
+                entry.pre = [weakref.ref(t.grad_fn) for t in hooked]
+                replacement = {id(old): new for old, new in zip(needing, hooked, strict=True)}
+                output = map_tensors(lambda t: replacement.get(id(t), t), output)
+                self.entries.append(entry)
+                self.opening_needs_backward = True
+            elif entry.inputs is not None and not found:
+                self.entries.append(entry)  # recomputed in backward (reentrant checkpoint): resharded until then
+            if self.active == 0 and not self.pending_modules:
+                self.close_forward()
+            if self.ctx is not None and self.root is self and self.active == 0:
+                self.ctx.end_forward(raised=output is None)
+            return output
 
     def close_forward(self) -> None:
         """The current opening ends: reshard per ``reshard_after_forward`` (always when no output needs grad)."""

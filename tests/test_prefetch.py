@@ -280,7 +280,7 @@ def _reductions_in_flight_at_staging(rank: int, ws: int) -> dict[str, Any]:
     every collective reported as not completed (as if gloo were always slower than the next unit's backward)."""
     import torch.distributed as dist
 
-    from fsdp_compose.grad_input import ReduceScatterInput
+    from fsdp_compose.grads import ReduceScatterInput
 
     cfg = GPTConfig(n_layers=4)
     reference, model = reference_and_copy(cfg)

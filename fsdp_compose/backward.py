@@ -295,7 +295,7 @@ class BackwardWalk:
                 all_reduce, synchronising = self.reduces[id(state)]
                 grads.reduce(all_reduce_replicas=all_reduce, synchronising=synchronising)
                 if self.program is not None and state.unit.world_size > 1:
-                    self.program.expect("reduce_scatter", state, self.where(state))
+                    self.program.expect("reduce_scatter", state, self.where)
                 if grads.state is GradState.REDUCE_SCATTERING:
                     self.reducing.append(state)
             self.reduce_cursor += 1
@@ -305,7 +305,7 @@ class BackwardWalk:
         before = issuer.issued
         call()
         if self.program is not None and issuer.issued != before:
-            self.program.expect(kind, state, self.where(state))
+            self.program.expect(kind, state, self.where)
 
     def reap(self) -> None:
         """Move the completed reductions on (a check, not a wait), oldest first, up to the first still running: what

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -206,16 +207,17 @@ class Program:
         """Every operation, channel after channel (each in issue order)."""
         return [op for ops in self.channels.values() for op in ops]
 
-    def check_done(self, where: str) -> None:
-        """The end of the backward: every operation of the program must have been issued."""
+    def check_done(self, where: Callable[[ShardState | None], str]) -> None:
+        """The end of the backward: every operation of the program must have been issued (``where``: the rank and
+        the step's position, asked only for the error)."""
         left = [str(op) for name, ops in self.channels.items() for op in ops[self.issued.get(name, 0) :]]
         if left:
             raise RuntimeError(
-                f"internal error in fsdp_compose: {where}: the backward ended with operations of its program never "
-                f"issued: {'; '.join(left)}; please report it with fc.describe_schedule(model)"
+                f"internal error in fsdp_compose: {where(None)}: the backward ended with operations of its program "
+                f"never issued: {'; '.join(left)}; please report it with fc.describe_schedule(model)"
             )
 
-    def expect(self, kind: str, state: ShardState, where: str) -> None:
+    def expect(self, kind: str, state: ShardState, where: Callable[[ShardState | None], str]) -> None:
         """``state`` just issued a ``kind`` collective: it must be the next operation of one of the program's groups
         (else an internal error naming the rank, the unit and the position)."""
         for name, ops in self.channels.items():
@@ -229,7 +231,7 @@ class Program:
             if self.issued.get(name, 0) < len(ops)
         ]
         raise RuntimeError(
-            f"internal error in fsdp_compose: {where} issued a {kind} that is not next in the step's program "
+            f"internal error in fsdp_compose: {where(state)} issued a {kind} that is not next in the step's program "
             f"(next per process group: {'; '.join(planned) or 'nothing'}); please report it with "
             "fc.describe_schedule(model)"
         )

@@ -385,8 +385,8 @@ def _closing_word(step: StepContext, *, abandoning: bool, program: Program | Non
     )
     if program is not None:
         if step.agreement_group is not None:
-            program.expect("closing_word", step.root, step._where())
-        program.check_done(step._where())
+            program.expect("closing_word", step.root, step._where)
+        program.check_done(step._where)
     return word.result().quitting
 
 

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -465,8 +464,7 @@ def post_forward_group(mesh: DeviceMesh, size: int) -> PostForwardGroup:
     shard_dim = mesh.ndim - 1
     shard_size = mesh.size(shard_dim)
     names = mesh.mesh_dim_names
-    with unset_fake_temporarily():  # mesh bookkeeping uses real tensors, also while planning under fake tensors
-        return _new_post_forward_group(mesh, size, shard_dim, shard_size, names, cache)
+    return _new_post_forward_group(mesh, size, shard_dim, shard_size, names, cache)
 
 
 def _new_post_forward_group(
@@ -535,8 +533,7 @@ def reduce_scatter_group(dp: DataParallelMesh) -> dist.ProcessGroup:
     cache: dict[str, dist.ProcessGroup] = _mesh_cache(root, _REDUCE_SCATTER_GROUPS_ATTR)
     name = names[-1]
     if name not in cache:
-        with unset_fake_temporarily():  # the mesh's rank tensor is real, also while planning under fake tensors
-            slices = root.mesh.movedim(root_names.index(name), -1).reshape(-1, dp.shard_size).tolist()
+        slices = root.mesh.movedim(root_names.index(name), -1).reshape(-1, dp.shard_size).tolist()
         group, _ = dist.new_subgroups_by_enumeration(slices, group_desc=REDUCE_SCATTER_GROUP_DESC)
         assert group is not None
         cache[name] = group

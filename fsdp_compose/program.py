@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake
 
 from .collectives import Work, all_reduce_max
 from .state import reshards_after_forward
@@ -421,8 +421,7 @@ def agreement_group(dp: DataParallelMesh) -> dist.ProcessGroup | None:
     groups = dp.agreement_groups  # a managed replicate group (torchft's) is left to its manager
     if len(groups) <= 1:
         return groups[0] if groups else None
-    with unset_fake_temporarily():  # mesh bookkeeping uses real tensors, also while planning under fake tensors
-        return dp.mesh._flatten().get_group()
+    return dp.mesh._flatten().get_group()
 
 
 class PendingAgreement:

@@ -27,7 +27,8 @@ from torch.utils.hooks import RemovableHandle
 
 import fsdp_compose as fc
 from fsdp_compose.description import step_schedule
-from fsdp_compose.meshes import REDUCE_SCATTER_GROUP_DESC
+from fsdp_compose.meshes import REDUCE_SCATTER_GROUP_DESC, DataParallelMesh
+from fsdp_compose.program import agreement_group
 from fsdp_compose.recorder import CollectiveRecord, CollectiveRecorder
 from fsdp_compose.state import states_under
 
@@ -158,20 +159,23 @@ def build_mesh(config: PlanConfig, device_type: str = "cpu", mesh: DeviceMesh | 
     # fsdp_compose reduce-scatters over a group of the shard dim's ranks of its own (meshes.reduce_scatter_group)
     labels[REDUCE_SCATTER_GROUP_DESC] = dp_names[-1]
     setting = config.reshard_after_forward
-    if not isinstance(setting, bool) and 1 < setting < config.shard:
-        _make_post_forward_groups(dp_mesh, setting, mesh.device_type)
+    post_forward = not isinstance(setting, bool) and 1 < setting < config.shard
+    _make_groups(dp_mesh, setting if post_forward else True, mesh.device_type)
     return MeshSetup(mesh, dp_mesh, tp_mesh, labels)
 
 
-def _make_post_forward_groups(dp_mesh: DeviceMesh, size: int, device_type: str) -> None:
-    """Have fsdp_compose create the groups of ``reshard_after_forward=size`` now, outside ``FakeTensorMode``.
+def _make_groups(dp_mesh: DeviceMesh, setting: bool | int, device_type: str) -> None:
+    """Have fsdp_compose create the process groups it cuts from ``dp_mesh`` now, outside ``FakeTensorMode``.
 
-    fully_shard cuts them from the mesh (``DeviceMesh._unflatten``, which builds a rank tensor and cannot run under
-    FakeTensorMode) and caches them on the mesh object for every later unit (docs/design.md); sharding a one-element
-    module here fills that cache, so the model's units, sharded under FakeTensorMode, reuse the groups.
+    fully_shard makes the reduce-scatter group and the groups of ``reshard_after_forward=k`` from the mesh's rank
+    tensor (``DeviceMesh._unflatten`` and friends, which cannot run under FakeTensorMode) and caches them on the mesh
+    object for every later unit (docs/design.md); a root's lazy init flattens a 2-D data-parallel mesh for the
+    step's agreement, cached by the mesh too. Sharding a one-element module here and asking for the agreement's group
+    fill those caches, so the model's units, sharded and run under FakeTensorMode, reuse them.
     """
     with torch.device(device_type):
-        fc.fully_shard(nn.Linear(1, 1, bias=False), mesh=dp_mesh, reshard_after_forward=size)
+        fc.fully_shard(nn.Linear(1, 1, bias=False), mesh=dp_mesh, reshard_after_forward=setting)
+    agreement_group(DataParallelMesh.of(dp_mesh))
 
 
 @dataclass

@@ -1,10 +1,6 @@
-"""What the units' hooks need to know about autograd and about their step, without importing the step: the record
-of one forward call (``ForwardCall``) and the autograd nodes it is asked about, the tensors in a module's inputs and
-outputs, and the checks a backward hook makes before it issues anything.
-
-``state.py`` (the hooks) talks to the root's ``StepContext`` (``step.py``) through the ``StepOwner`` protocol, and
-``fully_shard`` hands each state the function that makes one (``ShardState.make_step``): so the step depends on the
-states and never the other way round.
+"""What the units' hooks need to know about autograd: the record of one forward call (``ForwardCall``) and the
+autograd nodes it is asked about, the tensors in a module's inputs and outputs, and the checks a backward hook makes
+before it issues anything.
 """
 
 from __future__ import annotations
@@ -12,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._dynamo.compiled_autograd
@@ -20,7 +16,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
     "ForwardCall",
-    "StepOwner",
     "autograd_tensors",
     "cast_floating",
     "check_backward_reads_none_of",
@@ -35,31 +30,6 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
-
-
-class StepOwner(Protocol):
-    """The root's step as the hooks see it (``step.StepContext``)."""
-
-    @property
-    def in_backward(self) -> bool: ...
-
-    gather_stream: torch.Stream | None
-
-    def begin_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]: ...
-
-    def end_forward(self, *, raised: bool = False) -> None: ...
-
-    def begin_backward(self, running: object = None) -> None: ...
-
-    def gather_for_backward(self, state: Any) -> None: ...
-
-    def call_backward_done(self, state: Any) -> None: ...
-
-    def next_in_schedule(self, state: Any) -> Any: ...
-
-    def next_call_number(self) -> int: ...
-
-    def reset(self) -> None: ...
 
 
 def in_backward() -> bool:

@@ -25,50 +25,43 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from .flat import FlatShard, ManagedParam, make_full_param
-from .grads import UnitGradients
 from .offload import UnitDevices
 from .sharding import FlatLayout, copy_param_from_segments
 from .transitions import internal_error
 
-__all__ = ["FullBuffer", "FullParams", "GatherPlan", "GradientOwner", "allocate_storage", "gather_dtype"]
+__all__ = ["FullBuffer", "FullParams", "GatherPlan", "GradientHooks", "allocate_storage", "gather_dtype"]
 
 
-class GradientOwner(Protocol):
-    """What a full parameter's gradient hook hands its gradient to: the unit's gradient side, looked up at every
-    call (a unit rebuilds it when its dtypes change)."""
+class GradientHooks(Protocol):
+    """Who a full parameter's post-accumulate-grad hook calls: the unit's ``state.ShardState``, as its module hooks
+    do. It hands the gradient to the root's step (which may free the full parameter at once, ``free_early``) or,
+    outside a step, to the unit's gradients."""
 
-    grads: UnitGradients
-    # Set by the step context: handed each full parameter's gradient as it is made (it calls ``grads.capture``), so
-    # that backward may free the full parameter at once (see ``FullParams.free_early``).
-    on_gradient: Callable[[ManagedParam], None] | None
+    def gradient_made(self, mp: ManagedParam) -> None: ...
 
 
 class _CaptureGrad:
-    """Post-accumulate-grad hook of a full parameter: hands the gradient to the unit's gradient side at once.
+    """Post-accumulate-grad hook of a full parameter: tells the unit's state at once (``GradientHooks``).
 
-    It holds the unit and the parameter record weakly: autograd keeps a tensor's hooks alive from C++, so a strong
+    It holds the state and the parameter record weakly: autograd keeps a tensor's hooks alive from C++, so a strong
     reference back to the unit would form a cycle the garbage collector cannot see, and a deleted model (with its
     buffers and process groups) would never be freed.
     """
 
-    def __init__(self, owner: weakref.ref[GradientOwner], mp: ManagedParam) -> None:
-        self.owner = owner
+    def __init__(self, hooks: weakref.ref[GradientHooks], mp: ManagedParam) -> None:
+        self.hooks = hooks
         self.mp = weakref.ref(mp)
 
     def __call__(self, param: torch.Tensor) -> None:
-        owner, mp = self.owner(), self.mp()
-        if owner is not None and mp is not None:
-            if owner.on_gradient is not None:
-                owner.on_gradient(mp)  # the step's: it makes room in the reduce-scatter window first
-            else:
-                owner.grads.capture(mp)
+        hooks, mp = self.hooks(), self.mp()
+        if hooks is not None and mp is not None:
+            hooks.gradient_made(mp)
 
 
 class FullParams:
@@ -80,14 +73,14 @@ class FullParams:
         devices: UnitDevices,
         world_size: int,
         policy_param_dtype: torch.dtype | None,
-        owner: GradientOwner,
     ) -> None:
         self.shards = shards
         self.devices = devices
         self.device = devices.compute
         self.world_size = world_size
         self.policy_param_dtype = policy_param_dtype  # None: the parameters' own dtype
-        self._owner = weakref.ref(owner)
+        # The unit's state, set when it is made (``ShardState.__init__``): its gradient hooks call it.
+        self.hooks: weakref.ref[GradientHooks] | None = None
         # Per (dtype group, compute dtype), its sharded slots' full parameters (kept, storage freed when sharded)
         self._fulls: dict[tuple[int, torch.dtype], FullBuffer] = {}
 
@@ -274,7 +267,9 @@ class FullParams:
         """Once per full parameter that requires grad: hand each gradient to the unit's ``grads.capture`` as it is
         made."""
         if mp.full is not None and mp.full.requires_grad and not mp.full_hooked:
-            mp.full.register_post_accumulate_grad_hook(_CaptureGrad(self._owner, mp))
+            if self.hooks is None:
+                raise internal_error(f"parameter {mp.fqn}", "its unit has no state to call")
+            mp.full.register_post_accumulate_grad_hook(_CaptureGrad(self.hooks, mp))
             mp.full_hooked = True
 
 

@@ -2,7 +2,7 @@
 
 ``fully_shard`` attaches one ``ShardState`` to the module instance (an attribute; no class swap, no registry) and
 registers bound methods of it as module hooks. The hooks decide no collective: they tell the root's step (through
-``autograd_hooks.StepOwner``) what happened, and it walks the declared schedule (docs/schedule.md)::
+``StepOwner``) what happened, and it walks the declared schedule (docs/schedule.md)::
 
     root pre-forward        lazy init on the first call (find the root, check every unit, make the StepContext);
                             then StepContext.begin_forward: finish the last step, refresh trainability, move inputs
@@ -31,7 +31,7 @@ import copy
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -39,7 +39,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .autograd_hooks import (
     ForwardCall,
-    StepOwner,
     autograd_tensors,
     cast_floating,
     check_backward_reads_none_of,
@@ -53,9 +52,19 @@ from .collectives import labelled
 from .policies import MixedPrecisionPolicy, PrefetchPoint
 from .unit import ShardedUnit, UnitState
 
+if TYPE_CHECKING:
+    from .flat import ManagedParam
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["STATE_ATTR", "GradientAccumulation", "ShardState", "reshards_after_forward", "states_under"]
+__all__ = [
+    "STATE_ATTR",
+    "GradientAccumulation",
+    "ShardState",
+    "StepOwner",
+    "reshards_after_forward",
+    "states_under",
+]
 
 GradientAccumulation = Literal["unsharded", "sharded"]
 
@@ -132,6 +141,34 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class StepOwner(Protocol):
+    """The root's step as the hooks see it: ``step.StepContext``, which ``fully_shard`` hands in as the state's
+    ``make_step`` (step.py imports this module; this module does not import the step)."""
+
+    @property
+    def in_backward(self) -> bool: ...
+
+    gather_stream: torch.Stream | None
+
+    def begin_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]: ...
+
+    def end_forward(self, *, raised: bool = False) -> None: ...
+
+    def begin_backward(self, running: object = None) -> None: ...
+
+    def gather_for_backward(self, state: ShardState) -> None: ...
+
+    def call_backward_done(self, state: ShardState) -> None: ...
+
+    def gradient_made(self, state: ShardState, mp: ManagedParam) -> None: ...
+
+    def next_in_schedule(self, state: ShardState) -> ShardState | None: ...
+
+    def next_call_number(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+
 class ShardState:
     """Everything one ``fully_shard`` call attached: its modules, its unit, its settings and this step's entries."""
 
@@ -181,6 +218,7 @@ class ShardState:
         self.ran: list[ForwardCall] = []
         self.recomputes_due = 0  # calls this backward recomputes (set by the step when it begins)
         self.reset_step()
+        unit.gather.fulls.hooks = weakref.ref(self)  # its full parameters' gradient hooks call gradient_made
 
     def reset_step(self) -> None:
         """Forget this step's forward: entries, open calls, casts."""
@@ -385,6 +423,14 @@ class ShardState:
             ctx.begin_backward(node)
             ctx.gather_for_backward(self)
 
+    def gradient_made(self, mp: ManagedParam) -> None:
+        """Post-accumulate-grad hook of one of the unit's full parameters: the root's step takes the gradient (and
+        may free the parameter at once); before lazy init, the unit's gradients."""
+        if self.ctx is not None:
+            self.ctx.gradient_made(self, mp)
+        else:
+            self.unit.grads.capture(mp)
+
     @_outside_compile
     def post_backward(self) -> None:
         """One call's backward is done; the step context finishes the unit once every call it runs here is."""
@@ -405,6 +451,7 @@ class ShardState:
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)
         new.unit = self.unit.copy_for(memo)
+        new.unit.gather.fulls.hooks = weakref.ref(new)
         new.modules = tuple(copy.deepcopy(m, memo) for m in self.modules)
         new.forward_prefetch = copy.deepcopy(self.forward_prefetch, memo)
         new.backward_prefetch = copy.deepcopy(self.backward_prefetch, memo)

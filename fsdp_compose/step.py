@@ -96,8 +96,6 @@ class StepContext:
         # it on a CPU root to run that side on gloo, where each wait blocks the host: stricter than a stream wait, so
         # a wait cycle between ranks' streams shows as a hang there.
         self.accelerated = root.device.type != "cpu"
-        for state in states:
-            state.unit.on_gradient = functools.partial(self.gradient_made, state)
 
     @property
     def in_backward(self) -> bool:

@@ -72,14 +72,12 @@ class ShardedUnit:
         self.policy_reduce_dtype = reduce_dtype  # None: the compute dtype
         self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
         self.grads = UnitGradients(self._reduce_spec(), self.shards.params)
-        # Set by the step context (step.py): told after each full parameter's gradient is made, during backward.
-        self.on_gradient: Callable[[ManagedParam], None] | None = None
         # What a protocol parameter's hooks receive (torch's policy class); fully_shard sets the whole policy
         self._attach_gather(torch_fsdp.MixedPrecisionPolicy(param_dtype, reduce_dtype))
 
     def _attach_gather(self, hook_policy: torch_fsdp.MixedPrecisionPolicy) -> None:
         """A fresh gather state machine (SHARDED) and full parameters over this unit's shards."""
-        fulls = FullParams(self.shards, self.devices, self.world_size, self.policy_param_dtype, self)
+        fulls = FullParams(self.shards, self.devices, self.world_size, self.policy_param_dtype)
         self.gather = UnitGather(
             self.shards, fulls, self.dp, self.devices, self.extensions, self.owner_name, hook_policy
         )
@@ -259,7 +257,6 @@ class ShardedUnit:
             )
         new = object.__new__(ShardedUnit)
         new.__dict__.update(self.__dict__)
-        new.on_gradient = None  # the copy's step context sets its own
         new.shards = self.shards.copy_for(memo)
         new.extensions = copy.deepcopy(self.extensions, memo)
         new._attach_gather(self.gather.hook_policy)  # SHARDED, nothing in flight, no full parameters yet

@@ -15,11 +15,11 @@ and :class:`_Walk` replays its rules:
   after the reductions in flight completed (in a model run in registration order, waiting for them is always
   safe); the root, needed at both ends of backward, prefetches at once. A unit's backward done: reshard, copy out
   what it prefetched midway (every earlier reduction is issued by then, so the engine may wait for that all-gather
-  there), stage its gradients into a reduce-scatter input (before that, the oldest reduction in flight completes
-  when one is already in flight: the window of one; on a CPU device the engine waits only before the issue and
-  frees what has completed before the filling, which under the simulated process group, whose collectives complete
-  at once, is every reduction: the same), and the reduce cursor issues reductions in ``reduce_order`` as far as
-  their units are done; the final callback completes the rest.
+  there), stage its gradients into a reduce-scatter input (then the reduction in flight completes: the window of
+  one, as on a CPU device, where the engine waits only before the issue; before the filling it frees only what has
+  completed, and the simulated process group's collectives report completion only when waited for, as gloo's do),
+  and the reduce cursor issues reductions in ``reduce_order`` as far as their units are done; the final callback
+  completes the rest.
 
 What the units compute between those events is the GPT's, in closed form. Notation (elements; fp32 = 4 bytes each):
 ``N = batch x seq`` tokens, ``D`` width, ``F = mlp_ratio x D``, ``H`` heads, ``V`` vocabulary, ``P`` the learned
@@ -226,7 +226,7 @@ class _Walk:
 
     # ------------------------------------------------------------------ reductions
     def end_backward(self, name: str) -> None:
-        """A unit's post-backward: reshard, stage its gradients (after room is made), issue its prefetch if held back
+        """A unit's post-backward: reshard, stage its gradients (then room is made), issue its prefetch if held back
         to here, issue reductions in order."""
         self.reshard(name)
         # What it prefetched midway lands now, before its gradients are staged (in a model run in registration order
@@ -236,9 +236,10 @@ class _Walk:
             self._gather_now(landing)
         unit = self.units[name]
         if unit.rs_in:
-            self._wait_for_reductions()
             self.s.add(RS_IN, unit.rs_in)
         self.s.free(GRAD, unit.full)
+        if unit.rs_in:
+            self._wait_for_reductions()  # a CPU device's window: after the filling, before the issue
         if name in self.deferred:
             self._wait_for_reductions()
             self._start_gather(self.deferred.pop(name)[0])

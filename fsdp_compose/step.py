@@ -1,7 +1,7 @@
 """One training step of one root: the owner of the step, walking the declared schedule (program.py).
 
-The root's ``ShardState`` owns a ``StepContext``; the other states only point at their root. One step, top to
-bottom (every collective named here is read from the schedule, never chosen by which hook fired first)::
+The root's ``ShardState`` owns a ``StepContext``; every state under the root points at it (``state.ctx``). One step,
+top to bottom (every collective named here is read from the schedule, never chosen by which hook fired first)::
 
     root pre-forward   begin_forward: finish what the last step left, check ranks agree (opt-in), refresh
                        trainability, move inputs

@@ -141,12 +141,22 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class BackwardOwner(Protocol):
+    """One backward's walk as the hooks see it (``backward.BackwardWalk``): they call it directly."""
+
+    def gather_for_backward(self, state: ShardState) -> None: ...
+
+    def call_backward_done(self, state: ShardState) -> None: ...
+
+    def gradient_made(self, state: ShardState, mp: ManagedParam) -> None: ...
+
+
 class StepOwner(Protocol):
     """The root's step as the hooks see it: ``step.StepContext``, which ``fully_shard`` hands in as the state's
     ``make_step`` (step.py imports this module; this module does not import the step)."""
 
     @property
-    def in_backward(self) -> bool: ...
+    def backward(self) -> BackwardOwner | None: ...  # the walk of the backward running now
 
     gather_stream: torch.Stream | None
 
@@ -155,12 +165,6 @@ class StepOwner(Protocol):
     def end_forward(self, *, raised: bool = False) -> None: ...
 
     def begin_backward(self, running: object = None) -> None: ...
-
-    def gather_for_backward(self, state: ShardState) -> None: ...
-
-    def call_backward_done(self, state: ShardState) -> None: ...
-
-    def gradient_made(self, state: ShardState, mp: ManagedParam) -> None: ...
 
     def next_in_schedule(self, state: ShardState) -> ShardState | None: ...
 
@@ -301,10 +305,11 @@ class ShardState:
             if in_backward():
                 # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
                 # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
-                if self.ctx is not None:
-                    self.ctx.gather_for_backward(self)
+                walk = self.ctx.backward if self.ctx is not None else None
+                if walk is not None:
+                    walk.gather_for_backward(self)
                 else:
-                    self.gather_now()
+                    self.gather_now()  # no step yet, or a backward that began under another root (nested roots)
                 args, kwargs = cast_inputs(self, module, args, kwargs, self.compute_dtype(module))
                 if self.recomputes_due and torch.is_grad_enabled():
                     # A reentrant checkpoint's recompute: its own backward follows, which ends this call's backward.
@@ -349,7 +354,7 @@ class ShardState:
         self.entered = True
         self.opening_needs_backward = False
         self.pending_modules = {id(m) for m in self.modules}
-        if ctx is not None and not ctx.in_backward:
+        if ctx is not None and ctx.backward is None:
             if self.forward_prefetch is not None:
                 targets = self.forward_prefetch
             else:
@@ -421,23 +426,27 @@ class ShardState:
             if not self.unshard_in_backward:
                 check_backward_reads_none_of(self.unit.owner_name, node, self.unit.shards.params)
             ctx.begin_backward(node)
-            ctx.gather_for_backward(self)
+            if ctx.backward is not None:
+                ctx.backward.gather_for_backward(self)
+            else:
+                self.gather_now()
 
     def gradient_made(self, mp: ManagedParam) -> None:
-        """Post-accumulate-grad hook of one of the unit's full parameters: the root's step takes the gradient (and
-        may free the parameter at once); before lazy init, the unit's gradients."""
-        if self.ctx is not None:
-            self.ctx.gradient_made(self, mp)
+        """Post-accumulate-grad hook of one of the unit's full parameters: the backward's walk takes the gradient
+        (and may free the parameter at once); outside a backward of the root's step, the unit's gradients."""
+        walk = self.ctx.backward if self.ctx is not None else None
+        if walk is not None:
+            walk.gradient_made(self, mp)
         else:
             self.unit.grads.capture(mp)
 
     @_outside_compile
     def post_backward(self) -> None:
-        """One call's backward is done; the step context finishes the unit once every call it runs here is."""
-        ctx = self.ctx
-        if ctx is not None:
+        """One call's backward is done; the backward's walk finishes the unit once every call it runs here is."""
+        walk = self.ctx.backward if self.ctx is not None else None
+        if walk is not None:
             with labelled(f"fsdp_compose::post_backward[{self.unit.owner_name}]"):
-                ctx.call_backward_done(self)
+                walk.call_backward_done(self)
 
     def __repr__(self) -> str:
         modules = ", ".join(type(m).__name__ for m in self.modules)

@@ -53,7 +53,6 @@ from .unit import UnitState
 
 if TYPE_CHECKING:
     from .autograd_hooks import ForwardCall
-    from .flat import ManagedParam
     from .state import ShardState
 
 logger = logging.getLogger(__name__)
@@ -96,10 +95,6 @@ class StepContext:
         # it on a CPU root to run that side on gloo, where each wait blocks the host: stricter than a stream wait, so
         # a wait cycle between ranks' streams shows as a hang there.
         self.accelerated = root.device.type != "cpu"
-
-    @property
-    def in_backward(self) -> bool:
-        return self.backward is not None
 
     def next_in_schedule(self, state: ShardState) -> ShardState | None:
         """The implicit forward prefetch target after ``state``: the next unit in registration order."""
@@ -200,25 +195,6 @@ class StepContext:
         self.programs.append(self.backward.program)
         self.phase = StepPhase.BACKWARD
         Variable._execution_engine.queue_callback(self._final_callback)
-
-    def gather_for_backward(self, state: ShardState) -> None:
-        """``state`` needs its parameters for backward (its pre-backward, or a recompute in backward)."""
-        if self.backward is None:
-            state.gather_now()  # a backward that began under another root (nested roots): nothing to follow
-            return
-        self.backward.gather_for_backward(state)
-
-    def call_backward_done(self, state: ShardState) -> None:
-        if self.backward is not None:
-            self.backward.call_backward_done(state)
-
-    def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
-        """A full parameter of ``state``'s unit got its gradient: the walk takes it (``BackwardWalk.gradient_made``);
-        outside a backward of this root, only the unit's gradients do."""
-        if self.backward is not None:
-            self.backward.gradient_made(state, mp)
-        else:
-            state.unit.grads.capture(mp)
 
     # ------------------------------------------------------------------ the end of a step
     def _keeps_after_backward(self, state: ShardState) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import fsdp_compose.plan as fp
@@ -147,6 +147,14 @@ gpt_shapes = st.fixed_dictionaries(
     world_size=st.sampled_from([8, 12, 64, 100, 256, 1000, 1024]),
     batch=st.integers(1, 3),
     optimizer=st.sampled_from(["adamw", "sgd", "sgd-momentum"]),
+)
+# Found by hypothesis: the backward peak at the root's reduce-scatter staging, with the block's input still alive (on
+# CPU the window's wait comes after the filling; the model waited before it and came out 5% low).
+@example(
+    shape={"n_heads": 2, "head_dim": 2, "vocab_size": 83, "n_layers": 1, "seq_len": 2, "mlp_ratio": 1},
+    world_size=8,
+    batch=1,
+    optimizer="adamw",
 )
 def test_simulated_ranks_match_analytic_model(
     shape: dict[str, int], world_size: int, batch: int, optimizer: str

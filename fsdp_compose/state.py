@@ -276,6 +276,11 @@ class ShardState:
         return self.requires_gradient_sync and (self.requires_all_reduce or not replicas)
 
     # ------------------------------------------------------------------ gathering
+    @property
+    def gather_stream(self) -> torch.Stream | None:
+        """The root's side stream for all-gather copy-in (None on a CPU device or before lazy init)."""
+        return self.ctx.gather_stream if self.ctx is not None else None
+
     def compute_dtype(self, module: nn.Module) -> torch.dtype:
         if self.full_precision_in_eval and not module.training:
             return self.unit.orig_dtype
@@ -288,9 +293,7 @@ class ShardState:
         if gather.state in (UnitState.UNSHARDED, UnitState.GATHERING) and gather.compute_dtype != dtype:
             gather.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
         if gather.needs_gather:
-            # copy-in on the root's side stream (None on a CPU device, or before lazy init)
-            stream = self.ctx.gather_stream if self.ctx is not None else None
-            self.unit.start_unshard(dtype, async_op=async_op, stream=stream)
+            self.unit.start_unshard(dtype, async_op=async_op, stream=self.gather_stream)
 
     def gather_now(self) -> None:
         self.start_gather(async_op=False)
@@ -319,7 +322,7 @@ class ShardState:
             if self.root is None:
                 lazy_init(self)
             ctx = self.ctx
-            if ctx is not None and self.root is self and self.active == 0:
+            if ctx is not None and self.is_root and self.active == 0:
                 args, kwargs = ctx.begin_forward(args, kwargs)
             compute_dtype = self.compute_dtype(module)
             if not self.opened or id(module) not in self.pending_modules:
@@ -346,14 +349,14 @@ class ShardState:
         unit.gather.explicit = False  # an fc.unshard issued before this forward is consumed here
         unit.grads.accumulating = not self.reduces_now
         self.kept_unsharded = False
-        ctx = self.ctx
-        unit.start_unshard(compute_dtype, async_op=False, stream=ctx.gather_stream if ctx is not None else None)
+        unit.start_unshard(compute_dtype, async_op=False, stream=self.gather_stream)
         unit.gather.finish()
         unit.grads.input.note_accumulators()
         self.opened = True
         self.entered = True
         self.opening_needs_backward = False
         self.pending_modules = {id(m) for m in self.modules}
+        ctx = self.ctx
         if ctx is not None and ctx.backward is None:
             if self.forward_prefetch is not None:
                 targets = self.forward_prefetch
@@ -373,7 +376,7 @@ class ShardState:
                 return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
             calls = self.calls.get(id(module))
             if not calls or self.active == 0:
-                if self.ctx is not None and self.root is self and output is None and self.active == 0:
+                if self.ctx is not None and self.is_root and output is None and self.active == 0:
                     self.ctx.end_forward(raised=True)  # the root's forward raised before any unit call ended
                 return output  # its pre-forward did not run (e.g. it raised before)
             entry = calls.pop()
@@ -396,7 +399,7 @@ class ShardState:
                 self.entries.append(entry)  # recomputed in backward (reentrant checkpoint): resharded until then
             if self.active == 0 and not self.pending_modules:
                 self.close_forward()
-            if self.ctx is not None and self.root is self and self.active == 0:
+            if self.ctx is not None and self.is_root and self.active == 0:
                 self.ctx.end_forward(raised=output is None)
             return output
 
@@ -543,7 +546,7 @@ def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entr
         state.opening_needs_backward = True
     if state.active == 0 and not state.pending_modules:
         state.close_forward()
-    if state.ctx is not None and state.root is state and state.active == 0:
+    if state.ctx is not None and state.is_root and state.active == 0:
         state.ctx.end_forward()
     return output
 

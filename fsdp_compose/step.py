@@ -244,9 +244,7 @@ class StepContext:
                 # chunked loss runs the head's backward once per chunk, then the body's).
                 state.ran += [e for e in state.entries if id(e) in bp.consumed and not e.outputs_pending()]
                 state.entries = [e for e in state.entries if id(e) not in bp.consumed or e.outputs_pending()]
-                replaced = state.unit.shards.replaced
-                if replaced.refs:  # (usually none) an optimizer built before fully_shard fails at its step
-                    replaced.arm()
+                state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
             self.gradients_held = any(state.unit.grads.state is GradState.ACCUMULATING for state in self.states)
             self.draining = False
             self.backward = None

@@ -257,10 +257,7 @@ def _mixed(rank: int, ws: int) -> dict[str, Any]:
     with _recording() as record:
         inputs, targets = synthetic_batch(cfg, 4, 0)
         loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
-    # The root crosses no device: its all-gather reads its flat buffer itself (one rank: no all-gather at all).
-    root_gathers_its_flat = not any(devices is root.devices for devices, _, _ in record["to_compute"]) and (
-        ws == 1 or any(sent is root.shards.flat for sent in record["all_gather"])
-    )
+    root_gathers_its_flat = any(flat is root.shards.flat and out is flat for _, flat, out in record["to_compute"])
     blocks_copied = all(
         any(flat is b.shards.flat and out is not flat for _, flat, out in record["to_compute"]) for b in blocks
     )

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .hooks import post_forward, pre_forward
 from .meshes import post_forward_group_for, reshard_after_forward_setting
 from .policies import PREFETCH_POINTS, PrefetchPoint
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
@@ -159,7 +160,7 @@ def reset_step(module: nn.Module) -> None:
     for sub in states_under(module):  # never ran a forward: nothing but held state to drop
         sub.unit.grads.discard()
         sub.unit.gather.reshard()
-        sub.reset_step()
+        sub.record.forget_step()
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_sync: bool, *, recurse: bool = True) -> None:
@@ -406,14 +407,14 @@ class _UnshardingMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = _require_state(self.module, self.name)
         method = getattr(type(self.module), self.name)
-        hooked = state.pre_forward(self.module, args, kwargs)
+        hooked = pre_forward(state, self.module, args, kwargs)
         if hooked is not None:
             args, kwargs = hooked
         output = None
         try:
             output = method(self.module, *args, **kwargs)
         finally:
-            output = state.post_forward(self.module, args, output)
+            output = post_forward(state, self.module, args, output)
         return output
 
 

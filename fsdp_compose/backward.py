@@ -167,7 +167,7 @@ class BackwardWalk:
             and id(state) not in self.done
             and (self.calls_here.get(id(state)) == 1 or self.awaiting.get(id(state), 0) == 1)
             and state.reshard_after_backward
-            and state.recomputes_due == 0
+            and state.record.recomputes_due == 0
         )
 
     def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
@@ -246,7 +246,7 @@ class BackwardWalk:
             if unit.gather.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
                 if unit.gather.arrived() or may_wait:
                     prefetched.gather_now()
-        state.opened = False
+        state.record.opened = False
         grads = state.unit.grads
         if grads.trainable and grads.input.buffer is None:
             self.make_room()  # a new reduce-scatter input is filled next

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .autograd_hooks import gradient_node
 from .collectives import Work, all_reduce, labelled, reduce_scatter_flat
 from .delivery import GradientDelivery, ReduceSpec, RowsLayout
 from .flat import ManagedParam, local_grad
@@ -49,7 +48,18 @@ from .transitions import internal_error, transition_error
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GradState", "ReduceScatterInput", "ReduceSpec", "UnitGradients", "divide_factors"]
+__all__ = ["GradState", "ReduceScatterInput", "ReduceSpec", "UnitGradients", "divide_factors", "gradient_node"]
+
+
+def gradient_node(tensor: torch.Tensor) -> torch.autograd.graph.Node | None:
+    """The autograd node that computes ``tensor``'s gradient: its ``grad_fn``, or for a leaf the node accumulating
+    into it (reached through a view, which needs the storage). None where no graph is recorded (inference mode, a
+    torch.func transform)."""
+    if tensor.grad_fn is not None:
+        return tensor.grad_fn
+    with torch.enable_grad():
+        view = tensor.view_as(tensor)
+    return view.grad_fn.next_functions[0][0] if view.grad_fn is not None else None
 
 
 class GradState(enum.Enum):

@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .api import get_state
 from .extensions import ShardExtensions
 from .flat import MOVED_ATTR, OWNER_ATTR
+from .hooks import register_hooks
 from .integrations.fsdp2 import bind_fsdp2_methods
 from .meshes import (
     check_dp_mesh,
@@ -43,7 +44,6 @@ from .policies import (
     as_offload_policy,
 )
 from .state import STATE_ATTR, ShardState, states_under
-from .step import StepContext
 from .subclass_params import check_subclass_param, has_fsdp_hooks, is_tensor_subclass
 from .unit import ShardedUnit
 
@@ -191,10 +191,9 @@ def fully_shard(
         mp_policy,
         auto_refresh_trainable,
     )
-    state.make_step = StepContext
     for m in modules:
         m.__dict__[STATE_ATTR] = state
-    state.register_hooks()
+    register_hooks(state)
     if fsdp2_methods:
         for m in modules:
             bind_fsdp2_methods(m, recurse=False)

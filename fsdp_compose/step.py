@@ -52,12 +52,11 @@ from .program import (
 from .unit import UnitState
 
 if TYPE_CHECKING:
-    from .autograd_hooks import ForwardCall
-    from .state import ShardState
+    from .state import ForwardCall, ShardState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepContext", "StepPhase"]
+__all__ = ["StepContext", "StepPhase", "close_unit"]
 
 
 class StepPhase(enum.Enum):
@@ -127,8 +126,8 @@ class StepContext:
         if any(state.collective_checks for state in self.states):
             check_ranks_agree(self.root, self.states)  # before anything of this step communicates
         for state in self.states:
-            state.entries = [entry for entry in state.entries if entry.alive()]  # graphs nobody will run are gone
-        continuing = self.phase is StepPhase.AWAITING_BACKWARD and any(state.entries for state in self.states)
+            state.record.entries = [entry for entry in state.record.entries if entry.alive()]  # graphs nobody runs
+        continuing = self.phase is StepPhase.AWAITING_BACKWARD and any(state.record.entries for state in self.states)
         self.forward_raised = False
         for state in self.states:
             unit = state.unit
@@ -136,13 +135,14 @@ class StepContext:
             # Anything left gathered is freed (a prefetch nobody used, parameters kept after a forward, a group
             # block): the same on every rank, whatever its garbage collector did with old graphs. Kept only by
             # policy (kept_unsharded) or by fc.unshard (explicit).
-            if not unit.gather.explicit and not state.kept_unsharded and unit.gather.state is not UnitState.SHARDED:
+            kept = unit.gather.explicit or state.record.kept_unsharded
+            if not kept and unit.gather.state is not UnitState.SHARDED:
                 unit.gather.reshard()
             unit.adopt_if_changed()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
             if continuing:
-                state.reset_forward()
+                state.record.forget_forward()
             else:
-                state.reset_step()
+                state.record.forget_step()
             if state.auto_refresh_trainable and unit.refresh_trainable():
                 logger.debug("trainability of %s changed: refreshed", unit.owner_name)
         self.phase = StepPhase.FORWARD
@@ -159,9 +159,9 @@ class StepContext:
             return
         self.forward_raised = raised
         for state in self.states:
-            if state.active == 0:
-                state.close_forward()
-        pending = any(state.entries for state in self.states)
+            if state.record.active == 0:
+                close_unit(state)
+        pending = any(state.record.entries for state in self.states)
         self.phase = StepPhase.AWAITING_BACKWARD if pending else StepPhase.IDLE
 
     # ------------------------------------------------------------------ backward
@@ -174,7 +174,8 @@ class StepContext:
             return
         # The calls of each unit this backward runs here (autograd is asked once per call).
         running_calls = {
-            id(s): [e for e in (*s.entries, *s.ran) if e.runs_in_this_backward(running)] for s in self.states
+            id(s): [e for e in (*s.record.entries, *s.record.ran) if e.runs_in_this_backward(running)]
+            for s in self.states
         }
         pending, agreed = _agree(self, [bool(running_calls[id(state)]) for state in self.states])
         if agreed is None:
@@ -189,7 +190,7 @@ class StepContext:
             state.unit.grads.delivery.hold = not pending.known or bool(agreed.quitting)
         _decide_flag_columns(self.states, agreed)
         for state in self.states:
-            state.recomputes_due = sum(1 for e in running_calls[id(state)] if e.inputs is not None)
+            state.record.recomputes_due = sum(1 for e in running_calls[id(state)] if e.inputs is not None)
         self.backward = _build_walk(self, agreed.participants, running_calls, running)
         self.backward.program = _compile(self, self.backward)
         self.programs.append(self.backward.program)
@@ -229,7 +230,7 @@ class StepContext:
             for state in self.states:
                 state.unit.grads.input.flags_needed = True  # what reduces outside a backward cannot know who has what
                 state.unit.grads.delivery.hold = False
-                state.recomputes_due = 0
+                state.record.recomputes_due = 0
             for state in bp.gather_order:
                 grads = state.unit.grads
                 grads.settle()  # the one point where the host waits for device-to-host copies of gradients
@@ -239,18 +240,19 @@ class StepContext:
                     state.unit.gather.reshard()
                 if state.unit.gather.state is UnitState.GATHERING:
                     state.unit.gather.finish()
-                state.kept_unsharded = keep and state.unit.gather.state is UnitState.UNSHARDED
+                record = state.record
+                record.kept_unsharded = keep and state.unit.gather.state is UnitState.UNSHARDED
                 # The calls this backward ran are consumed; calls it did not run wait for a later backward (a
                 # chunked loss runs the head's backward once per chunk, then the body's).
-                state.ran += [e for e in state.entries if id(e) in bp.consumed and not e.outputs_pending()]
-                state.entries = [e for e in state.entries if id(e) not in bp.consumed or e.outputs_pending()]
+                record.ran += [e for e in record.entries if id(e) in bp.consumed and not e.outputs_pending()]
+                record.entries = [e for e in record.entries if id(e) not in bp.consumed or e.outputs_pending()]
                 state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
             self.gradients_held = any(state.unit.grads.state is GradState.ACCUMULATING for state in self.states)
             self.draining = False
             self.backward = None
             # Calls no backward has run yet (pipelined micro-batches, the body under a chunked loss) keep the step
             # waiting for theirs.
-            pending = any(state.entries for state in self.states)
+            pending = any(state.record.entries for state in self.states)
             self.phase = StepPhase.AWAITING_BACKWARD if pending else StepPhase.IDLE
 
     def abandon(self, *, agreed: bool = False) -> None:
@@ -284,8 +286,8 @@ class StepContext:
             state.unit.grads.discard()
             if state.unit.gather.state is not UnitState.SHARDED:
                 state.unit.gather.reshard()
-            state.reset_step()
-            state.kept_unsharded = False
+            state.record.forget_step()
+            state.record.kept_unsharded = False
         self.gradients_held = False
         self.draining = False
         self.backward = None
@@ -304,7 +306,7 @@ class StepContext:
             # This rank's forward stopped at an exception; the others (if it raised here only) go on through theirs:
             # issue the forward all-gathers they issue after that point, in registration order.
             for state in self.states:
-                if not state.entered and state.unit.gather.needs_gather and not state.unit.gather.explicit:
+                if not state.record.entered and state.unit.gather.needs_gather and not state.unit.gather.explicit:
                     state.gather_now()
             self.forward_raised = False
         if self.backward is None:
@@ -329,8 +331,8 @@ class StepContext:
             state.unit.gather.explicit = False
             if state.unit.gather.state is not UnitState.SHARDED:
                 state.unit.gather.reshard()
-            state.reset_step()
-            state.kept_unsharded = False
+            state.record.forget_step()
+            state.record.kept_unsharded = False
         self.backward = None
         self.phase = StepPhase.IDLE
 
@@ -339,6 +341,24 @@ def _to_device(device: torch.device, value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device != device:
         return value.to(device)
     return value
+
+
+def close_unit(state: ShardState) -> None:
+    """The unit's current opening for forward ends (every module of it ran, or the root's forward ended): reshard
+    per ``reshard_after_forward``, and always when no output of it needs grad."""
+    record = state.record
+    if not record.opened:
+        return
+    record.opened = False
+    record.pending_modules = set()
+    gather = state.unit.gather
+    if not record.opening_needs_backward:
+        gather.reshard()
+    elif state.reshard_after_forward:
+        if gather.post_forward is not None:
+            gather.reshard_to_group()
+        else:
+            gather.reshard()
 
 
 def _compile(step: StepContext, walk: BackwardWalk) -> Program:
@@ -509,8 +529,8 @@ def _recomputes_inside(running_calls: dict[int, list[ForwardCall]]) -> bool:
 def _wait_after(gather_order: list[ShardState]) -> dict[int, int]:
     """Per participant ``v``: the last gather position among ``v`` and every participant with a forward call after
     ``v``'s first one (its backward may come before ``v``'s gradients are complete, on any rank)."""
-    first = {id(s): min((e.seq for e in (*s.entries, *s.ran)), default=-1) for s in gather_order}
-    last = {id(s): max((e.seq for e in (*s.entries, *s.ran)), default=-1) for s in gather_order}
+    first = {id(s): min((e.seq for e in (*s.record.entries, *s.record.ran)), default=-1) for s in gather_order}
+    last = {id(s): max((e.seq for e in (*s.record.entries, *s.record.ran)), default=-1) for s in gather_order}
     result = {}
     for state in gather_order:
         if first[id(state)] < 0:

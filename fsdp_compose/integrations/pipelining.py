@@ -58,8 +58,8 @@ class PipelineStage(_TorchPipelineStage):
         # root, kept by reshard_after_forward=False) stays gathered for this forward, as FSDP2 keeps it: a new root
         # forward would otherwise free it and gather it again. Every dp rank of the stage ran the same micro-batches.
         for state in states_under(self.submod):
-            if state.entries and state.unit.gather.state is UnitState.UNSHARDED:
-                state.kept_unsharded = True
+            if state.record.entries and state.unit.gather.state is UnitState.UNSHARDED:
+                state.record.kept_unsharded = True
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
     def backward_one_chunk(

@@ -1,0 +1,510 @@
+"""The entry points of a step: the hooks ``fully_shard`` registers on a unit's modules and in autograd's graph.
+
+nn.Module and autograd call these functions; they decide no collective. Each tells the root's step (step.py) or the
+running backward's walk (backward.py) what happened, and the step walks the declared schedule (docs/schedule.md)::
+
+    root pre-forward        lazy init on the first call (find the root, check every unit, make the StepContext);
+                            then StepContext.begin_forward: finish the last step, refresh trainability, move inputs
+    unit pre-forward        _open: gather unless gathered, prefetch the next unit in registration order; cast
+                            inputs; wrap them in _PostBackward (its backward: this call's input gradients exist)
+    user forward            runs unchanged on full parameters
+    unit post-forward       cast outputs; outputs that need grad go through _PreBackward (one ForwardCall per call);
+                            step.close_unit once every module ran (reshard per reshard_after_forward)
+    ---- loss.backward() ----
+    _PreBackward.backward   pre_backward: the first one agrees the backward's participants across ranks; then the
+                            gather cursor issues the all-gathers up to this unit
+    user backward           autograd fills the full parameters' .grad (moved into the buffer as they come when
+                            accumulating)
+    _PostBackward.backward  post_backward: once every call of the unit this backward runs is done, the unit is
+                            resharded, its gradients staged, and the reduce cursor issues the reductions due
+    final callback          the rest of the agreed order; wait; deliver; reshard
+
+A unit may be entered any number of times, wholly or one module at a time; a forward while autograd runs a backward
+is an activation-checkpoint recompute. Hooks are kept out of ``torch.compile``'s traced regions
+(``torch.compiler.disable``): they issue collectives and swap parameters, which a graph cannot hold. What a forward
+call leaves for its step goes into the unit's ``UnitStepRecord`` (state.py); nothing here keeps state of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+import torch._dynamo.compiled_autograd
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .collectives import labelled
+from .state import ForwardCall, ShardState, states_under
+from .step import StepContext, close_unit
+from .unit import UnitState
+
+if TYPE_CHECKING:
+    from .flat import ManagedParam
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "autograd_tensors",
+    "cast_floating",
+    "cast_inputs",
+    "cast_outputs",
+    "check_backward_reads_none_of",
+    "check_not_compiled_autograd",
+    "in_backward",
+    "lazy_init",
+    "map_tensors",
+    "post_forward",
+    "pre_forward",
+    "register_hooks",
+    "tensors_in",
+    "unique_tensors",
+]
+
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def _outside_compile(hook: _Hook) -> _Hook:
+    """Run ``hook`` eagerly even inside a compiled region (a graph break): it issues collectives and swaps
+    parameters on modules, which a traced graph cannot hold. torch's own FSDP does the same with its hooks."""
+    return cast(_Hook, torch.compiler.disable(hook))
+
+
+def register_hooks(state: ShardState) -> None:
+    """The unit's module hooks, bound to ``state`` (``functools.partial``: ``copy.deepcopy`` of a module copies
+    them with their state)."""
+    for module in state.modules:
+        module.register_forward_pre_hook(functools.partial(pre_forward, state), prepend=True, with_kwargs=True)
+        module.register_forward_hook(functools.partial(post_forward, state), always_call=True)
+        module.register_state_dict_pre_hook(functools.partial(_reshard, state))
+        module.register_load_state_dict_pre_hook(functools.partial(_reshard, state))
+
+
+def _reshard(state: ShardState, *unused: Any) -> None:
+    """Before ``state_dict`` / ``load_state_dict``: the module's parameters are its sharded DTensors again."""
+    state.unit.gather.reshard()
+
+
+# ---------------------------------------------------------------------- the forward
+# ------------------------------------------------------------------ forward
+@_outside_compile
+def pre_forward(
+    state: ShardState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    with labelled(f"fsdp_compose::pre_forward[{state.unit.owner_name}]"):
+        record = state.record
+        step = state.ctx
+        if in_backward():
+            # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
+            # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
+            walk = step.backward if isinstance(step, StepContext) else None
+            if walk is not None:
+                walk.gather_for_backward(state)
+            else:
+                state.gather_now()  # no step yet, or a backward that began under another root (nested roots)
+            args, kwargs = cast_inputs(state, module, args, kwargs, state.compute_dtype(module))
+            if record.recomputes_due and torch.is_grad_enabled():
+                # A reentrant checkpoint's recompute: its own backward follows, which ends this call's backward.
+                record.recomputes_due -= 1
+                args, kwargs = _wrap_inputs(state, args, kwargs, ForwardCall(), per_input=False)
+            return args, kwargs
+        if state.root is None:
+            step = lazy_init(state)
+        if isinstance(step, StepContext) and state.is_root and record.active == 0:
+            args, kwargs = step.begin_forward(args, kwargs)
+        compute_dtype = state.compute_dtype(module)
+        if not record.opened or id(module) not in record.pending_modules:
+            _open(state, module, compute_dtype)  # first call of this unit since it closed, or a module run again
+        record.pending_modules.discard(id(module))
+        record.active += 1
+        entry = ForwardCall(step.next_call_number() if isinstance(step, StepContext) else 0)
+        record.calls.setdefault(id(module), []).append(entry)
+        args, kwargs = cast_inputs(state, module, args, kwargs, compute_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = _wrap_inputs(state, args, kwargs, entry)
+        elif not torch.is_inference_mode_enabled():
+            _note_recomputable(state, entry, args, kwargs)
+        return args, kwargs
+
+
+def _open(state: ShardState, module: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Gather the unit for forward (a no-op when it is gathered already) and prefetch the next in the schedule."""
+    unit = state.unit
+    record = state.record
+    record.full_precision_now = state.full_precision_in_eval and not module.training
+    # Kept unsharded since an in-place update, or gathered in another precision: gather again.
+    stale = unit.gather.state is UnitState.UNSHARDED and unit.is_stale()
+    if unit.gather.state is not UnitState.SHARDED and (stale or unit.gather.compute_dtype != compute_dtype):
+        unit.gather.reshard()
+    unit.gather.explicit = False  # an fc.unshard issued before this forward is consumed here
+    unit.grads.accumulating = not state.reduces_now
+    record.kept_unsharded = False
+    unit.start_unshard(compute_dtype, async_op=False, stream=state.gather_stream)
+    unit.gather.finish()
+    unit.grads.input.note_accumulators()
+    record.opened = True
+    record.entered = True
+    record.opening_needs_backward = False
+    record.pending_modules = {id(m) for m in state.modules}
+    step = state.ctx
+    if isinstance(step, StepContext) and step.backward is None:
+        if state.forward_prefetch is not None:
+            targets = state.forward_prefetch
+        else:
+            following = step.next_in_schedule(state)
+            targets = [] if following is None else [following]
+        for target in targets:
+            if not target.record.opened:
+                target.start_gather(async_op=True)
+
+
+@_outside_compile
+def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -> Any:
+    """Also runs when forward raised (``always_call``): ``output`` is then None and the call just ends."""
+    with labelled(f"fsdp_compose::post_forward[{state.unit.owner_name}]"):
+        output = cast_outputs(state, module, output)
+        if in_backward():
+            return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
+        record = state.record
+        step = state.ctx if state.is_root else None
+        calls = record.calls.get(id(module))
+        if not calls or record.active == 0:
+            if isinstance(step, StepContext) and output is None and record.active == 0:
+                step.end_forward(raised=True)  # the root's forward raised before any unit call ended
+            return output  # its pre-forward did not run (e.g. it raised before)
+        entry = calls.pop()
+        record.active -= 1
+        found = tensors_in(output) if torch.is_grad_enabled() else []
+        if torch._C._are_functorch_transforms_active():
+            # Inside torch.func.jvp / vmap / grad an autograd Function without setup_context raises, also on plain
+            # outputs (a unit called on a tensor captured from outside the transform): hook them instead.
+            return _hook_transformed_outputs(state, found, entry, output)
+        needing = unique_tensors(t for t in found if t.requires_grad)
+        if needing:
+            # One node per output (why: ForwardCall): an output the loss ignores leaves the unit out of the graph.
+            hooked = [_PreBackward.apply(state, t) for t in needing]
+            entry.pre = [weakref.ref(t.grad_fn) for t in hooked]
+            replacement = {id(old): new for old, new in zip(needing, hooked, strict=True)}
+            output = map_tensors(lambda t: replacement.get(id(t), t), output)
+            record.entries.append(entry)
+            record.opening_needs_backward = True
+        elif entry.inputs is not None and not found:
+            record.entries.append(entry)  # recomputed in backward (reentrant checkpoint): resharded until then
+        if record.active == 0 and not record.pending_modules:
+            close_unit(state)
+        if isinstance(step, StepContext) and record.active == 0:
+            step.end_forward(raised=output is None)
+        return output
+
+
+# ---------------------------------------------------------------------- the backward
+@_outside_compile
+def pre_backward(state: ShardState, node: object = None) -> None:
+    with labelled(f"fsdp_compose::pre_backward[{state.unit.owner_name}]"):
+        check_not_compiled_autograd(state.unit.owner_name)
+        step = state.ctx
+        if not isinstance(step, StepContext):
+            state.gather_now()
+            return
+        if not state.unshard_in_backward:
+            check_backward_reads_none_of(state.unit.owner_name, node, state.unit.shards.params)
+        step.begin_backward(node)
+        if step.backward is not None:
+            step.backward.gather_for_backward(state)
+        else:
+            state.gather_now()
+
+
+@_outside_compile
+def post_backward(state: ShardState) -> None:
+    """One call's backward is done; the backward's walk finishes the unit once every call it runs here is."""
+    step = state.ctx
+    walk = step.backward if isinstance(step, StepContext) else None
+    if walk is not None:
+        with labelled(f"fsdp_compose::post_backward[{state.unit.owner_name}]"):
+            walk.call_backward_done(state)
+
+
+def lazy_init(root: ShardState) -> StepContext:
+    """``root`` becomes the root of every state below it and owns their step. Checks run first: a bad model fails
+    before a collective."""
+    states: list[ShardState] = []
+    seen: set[int] = set()
+    for module in root.modules:
+        for state in states_under(module):
+            if id(state) not in seen:
+                seen.add(id(state))
+                states.append(state)
+    for state in states:
+        state.unit.shards.check_materialized()
+    for state in states:
+        state.root = root
+        state.ctx = None
+    step = StepContext(root, states)
+    for state in states:
+        state.ctx = step
+    logger.debug("lazy init: root %s with %d units", root.unit.owner_name, len(states))
+    return step
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on one output of a unit whose backward runs before the unit's own: gather its parameters for it.
+
+    The output is a detached alias, not a view, so a caller may still modify it in place."""
+
+    @staticmethod
+    def forward(ctx: Any, state: ShardState, output: torch.Tensor) -> torch.Tensor:
+        ctx.state = state
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ctx.ran = True  # see ForwardCall.outputs_pending
+        pre_backward(ctx.state, ctx)
+        return None, grad
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs (one per node, see ``ForwardCall``) whose backward runs once their gradients
+    are computed.
+
+    Once the last input node of a call that this backward runs has run, the unit's own backward for the call is done
+    (its ops consumed those inputs), so once every call's is, its parameter gradients can be reduced and its full
+    parameters freed — layer by layer, not at the end of backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: ShardState, entry: ForwardCall, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        ctx.entry = entry
+        return tuple(t.detach() for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        entry = ctx.entry
+        entry.posts_left -= 1
+        if entry.posts_left == 0:
+            post_backward(ctx.state)
+        return (None, None, *grads)
+
+
+def _wrap_inputs(
+    state: ShardState, args: tuple[Any, ...], kwargs: dict[str, Any], entry: ForwardCall, *, per_input: bool = True
+) -> tuple[Any, Any]:
+    """``per_input=False``: one node over all inputs (a reentrant checkpoint's recompute, which begins after the
+    backward asked which nodes it runs: its one node ends the call)."""
+    needing = unique_tensors(t for t in tensors_in((args, kwargs)) if t.requires_grad)
+    if not needing or torch._C._are_functorch_transforms_active():
+        # Nothing to hook, or a torch.func transform is active: an autograd Function without setup_context raises
+        # there, on the transform's own wrapped inputs and on plain ones captured from outside it alike. The final
+        # callback finishes this call.
+        return args, kwargs
+    if per_input:  # one node per input (why: ForwardCall)
+        wrapped = [_PostBackward.apply(state, entry, t)[0] for t in needing]
+        entry.post = [weakref.ref(t.grad_fn) for t in wrapped]
+    else:
+        wrapped = list(_PostBackward.apply(state, entry, *needing))
+        entry.post = [weakref.ref(wrapped[0].grad_fn)]
+    entry.posts_left = len(entry.post)  # until a backward asks which of them it runs
+    replacement = {id(old): new for old, new in zip(needing, wrapped, strict=True)}
+    new_args, new_kwargs = map_tensors(lambda t: replacement.get(id(t), t), (args, kwargs))
+    return new_args, new_kwargs
+
+
+def _note_recomputable(state: ShardState, entry: ForwardCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A call under no_grad inside a forward with grad may be a reentrant checkpoint's forward (or run inside one):
+    keep its inputs that need grad (weakly), or else the root's call it runs in."""
+    needing = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+    if needing:
+        entry.inputs = [weakref.ref(t) for t in needing]
+        return
+    root = state.root
+    open_calls = []
+    if root is not None and root is not state:
+        open_calls = [e for calls in root.record.calls.values() for e in calls]
+    if open_calls and open_calls[-1].grad_enabled and state.unit.grads.trainable:
+        entry.inputs, entry.anchor = [], open_calls[-1]
+
+
+def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entry: ForwardCall, output: Any) -> Any:
+    """Outputs under a ``torch.func`` transform (``jvp``, ``vmap``, ``grad``): an autograd Function cannot wrap them,
+    so the plain tensors under them (primal and tangent, whose backward both read the unit's parameters; or the
+    outputs themselves when they are plain, computed from tensors captured from outside the transform) get tensor
+    hooks, and the call counts as run by every backward until one runs (its reach cannot be asked)."""
+    record = state.record
+    plain = unique_tensors(p for t in found for p in autograd_tensors(t) if p.requires_grad)
+    if plain:
+        entry.always = True
+        for tensor in plain:
+            tensor.register_hook(lambda grad: pre_backward(state))
+        record.entries.append(entry)
+        record.opening_needs_backward = True
+    if record.active == 0 and not record.pending_modules:
+        close_unit(state)
+    if isinstance(state.ctx, StepContext) and state.is_root and record.active == 0:
+        state.ctx.end_forward()
+    return output
+
+
+def cast_inputs(
+    state: ShardState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Cast floating inputs to ``param_dtype`` under torch's rule: whenever the policy names a ``param_dtype`` and
+    ``cast_forward_inputs`` is on, even when it equals the parameters' own dtype (an fp32 unit fed bf16 by an upstream
+    unit's ``output_dtype`` must compute in fp32). Not in a full-precision eval forward (``dtype`` is then the
+    parameters' own dtype, not the policy's): FSDP1's full-precision eval leaves the inputs alone too."""
+    policy_dtype = state.mp_policy.param_dtype
+    if policy_dtype is None or dtype != policy_dtype or not state.mp_policy.cast_forward_inputs:
+        return args, kwargs
+
+    def cast(leaf: torch.Tensor) -> torch.Tensor:
+        if leaf.is_floating_point() and leaf.dtype != dtype:
+            state.record.incoming_dtype.setdefault(id(module), leaf.dtype)
+            return leaf.to(dtype)
+        return leaf
+
+    new_args, new_kwargs = map_tensors(cast, (args, kwargs))
+    return new_args, new_kwargs
+
+
+def cast_outputs(state: ShardState, module: nn.Module, output: Any) -> Any:
+    """``output_dtype`` when set; otherwise a non-root unit that cast its inputs down hands its outputs back in
+    the dtype those inputs came in, so a bf16 block inside an fp32 model just works."""
+    incoming = state.record.incoming_dtype.pop(id(module), None)
+    if state.record.full_precision_now:
+        return output
+    dtype = state.mp_policy.output_dtype
+    if dtype is None and incoming is not None and not state.is_root:
+        dtype = incoming
+    if dtype is None:
+        return output
+    return map_tensors(lambda v: cast_floating(v, dtype), output)
+
+
+# ---------------------------------------------------------------------- what the hooks ask autograd
+def in_backward() -> bool:
+    """True while autograd runs a backward on this thread (e.g. an activation-checkpoint recompute)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def check_not_compiled_autograd(owner: str) -> None:
+    """Raise when this backward runs under compiled autograd, before the unit issues any collective of it.
+
+    Compiled autograd captures the backward graph, hooks included, and replays it: the units' backward hooks keep
+    per-step state and issue collectives, and trained with wrong gradients when replayed that way (measured, for
+    torch's own ``fully_shard`` too). Compiling the blocks' forward still compiles their backward (AOTAutograd).
+    """
+    compiled_autograd = torch._dynamo.compiled_autograd
+    if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
+        raise RuntimeError(
+            f"{owner}: backward runs under compiled autograd (torch._dynamo.config.compiled_autograd), which "
+            "fsdp_compose does not support: its backward hooks must run in eager autograd. Turn compiled autograd "
+            "off; torch.compile of the blocks still compiles their backward (see docs/compile.md)"
+        )
+
+
+def check_backward_reads_none_of(owner: str, node: object, params: Sequence[ManagedParam]) -> None:
+    """``set_unshard_in_backward(False)`` promised that the unit's backward reads none of its parameters: check the
+    graph below ``node`` (the unit's pre-backward) down to the unit's inputs before it runs, and name the parameter
+    a node saved for backward. The unit's full parameters are freed after forward: a read would fail in torch with
+    "setStorage ... storage of size 0", naming nothing."""
+    storages = {mp.full.untyped_storage()._cdata: mp.fqn for mp in params if mp.full is not None}
+    stack = [n for n, _ in getattr(node, "next_functions", ()) if n is not None]
+    seen: set[int] = set()
+    while stack:
+        current = stack.pop()
+        if id(current) in seen or type(current).__name__ in ("AccumulateGrad", "_PostBackwardBackward"):
+            continue
+        seen.add(id(current))
+        for attr in dir(current):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(current, attr)
+            except RuntimeError:  # already freed by an earlier backward: autograd raises its own error
+                continue
+            name = storages.get(value.untyped_storage()._cdata) if isinstance(value, torch.Tensor) else None
+            if name is not None:
+                raise RuntimeError(
+                    f"fsdp_compose: set_unshard_in_backward(False) on {owner}, but its backward reads parameter "
+                    f"{name!r} ({type(current).__name__} saved it in forward), which is not gathered for backward. "
+                    "Leave set_unshard_in_backward(True) for this unit; False suits units whose backward needs no "
+                    "parameter (an embedding's)"
+                )
+        stack.extend(n for n, _ in current.next_functions if n is not None)
+
+
+def unique_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    found = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            found.append(t)
+    return found
+
+
+def autograd_tensors(output: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors of an output that backward reaches: the output itself, or inside a torch.func transform (``jvp``)
+    the plain tensors under its wrapper, the primal and the tangent. The tangent's backward reads the unit's full
+    parameters too, so it needs the pre-backward hook as much as the primal (a loss on a jvp's tangent)."""
+    if not torch._C._functorch.is_functorch_wrapped_tensor(output):
+        return [output]
+    tensors = [output]
+    tangent = torch.autograd.forward_ad.unpack_dual(output).tangent
+    if tangent is not None:
+        tensors.append(tangent)
+    found = []
+    for tensor in tensors:
+        while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+            tensor = torch._C._functorch.get_unwrapped(tensor)
+        found.append(tensor)
+    return found
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    return value
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a module's inputs or outputs, whatever holds them: ``torch.utils._pytree`` knows tuples, lists,
+    dicts and namedtuples; module outputs are also dataclasses (torch's own FSDP tests return them, as do many model
+    libraries), and a unit must see every tensor of its outputs to hook its backward."""
+    found: list[torch.Tensor] = []
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        found.append(tensor)
+        return tensor
+
+    map_tensors(note, value)
+    return found
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """``value`` with every tensor ``t`` in it replaced by ``fn(t)`` (containers rebuilt only where needed)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {}
+        for f in dataclasses.fields(value):
+            if not f.init:
+                continue
+            old = getattr(value, f.name)
+            new = map_tensors(fn, old)
+            if new is not old:
+                changes[f.name] = new
+        return dataclasses.replace(value, **changes) if changes else value
+    leaves, spec = tree_flatten(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        return value  # a leaf that is no tensor
+    new_leaves = [map_tensors(fn, leaf) for leaf in leaves]
+    if all(a is b for a, b in zip(new_leaves, leaves, strict=True)):
+        return value
+    return tree_unflatten(new_leaves, spec)

@@ -1,7 +1,10 @@
-"""One backward's walk through the agreed schedule: two cursors, the units finished here, the reductions in flight.
+"""One backward's walk through the agreed schedule: two cursors and the reductions in flight.
 
 ``StepContext.begin_backward`` builds it from the participants the ranks agreed on (program.py) and drops it in the
-final callback. Everything that picks a collective during a backward is here:
+final callback. What the walk knows of each unit (its place in the order, the calls it runs here, whether it is
+gathered or finished, what it prefetched) is in the unit's record, set when the backward begins
+(``state.UnitStepRecord.forget_backward``) and moved on only here. Everything that picks a collective during a
+backward is here:
 
 - ``gather_for_backward``: the gather cursor issues every backward all-gather up to the unit needed now, in the
   agreed order; a unit this rank does not run is gathered at its turn all the same. A unit it needs now prefetches
@@ -46,22 +49,11 @@ def graph_task() -> int | None:
 
 
 @dataclass
-class _Deferred:
-    """A unit's implicit prefetch, held back: issued once ``freed`` bytes of the unit's full parameters are freed
-    early and the reduce-scatter window has room (``None``: only at the unit's end), or at its end at the latest."""
-
-    targets: list[ShardState]
-    freed: int | None
-
-
-@dataclass
 class BackwardWalk:
-    """One backward: its participants (agreed across ranks), what this rank runs of them, and the two cursors."""
+    """One backward: its participants (agreed across ranks) in the two orders, and the two cursors through them."""
 
     gather_order: list[ShardState]  # the schedule's gather order, participants only
     reduce_order: list[ShardState]  # the schedule's reduce order, participants only
-    reached_here: set[int]  # ids of participants this rank's backward runs
-    awaiting: dict[int, int]  # id -> post-backward hooks still to fire here (-1: only the final callback knows)
     consumed: set[int]  # ids of the entries (forward calls) this backward runs: dropped at its end
     draining: bool  # this backward reduces gradients held over no-sync micro-batches: no implicit prefetch
     max_reduce_inputs: int  # set_reduce_scatter_max_input_buffers of the root
@@ -69,30 +61,12 @@ class BackwardWalk:
     # (gloo on a CPU device): ``StepContext.accelerated``.
     accelerated: bool
     where: Callable[[ShardState | None], str]  # rank, unit and step position, for internal errors
-    # id -> the gather position the cursor must have passed before a wait for its reduction may block (make_room)
-    wait_after: dict[int, int] = field(default_factory=dict)
     gather_cursor: int = 0
     reduce_cursor: int = 0
-    done: set[int] = field(default_factory=set)  # ids finished here (gradients staged or accumulated)
-    gathered: set[int] = field(default_factory=set)  # ids whose backward all-gather was issued (cursor or prefetch)
     reducing: list[ShardState] = field(default_factory=list)  # reductions whose input may be alive, oldest first
-    calls_here: dict[int, int] = field(default_factory=dict)  # id -> calls of it this backward runs here
     # autograd's id of this backward (a nested one, a reentrant recompute's, differs); None: nothing is freed early
     graph_task: int | None = None
-    # id -> the implicit prefetch of a unit gathered now, held back (``backward_prefetch_point`` midway or after)
-    deferred: dict[int, _Deferred] = field(default_factory=dict)
-    freed_early: dict[int, int] = field(default_factory=dict)  # id -> bytes of its full parameters freed early
-    # id -> the units a unit prefetched midway: their all-gathers land at its end, before its gradients are staged
-    landing: dict[int, list[ShardState]] = field(default_factory=dict)
     program: Program | None = None  # this backward's collectives (program.py): each one issued is checked against it
-    # id -> (all-reduce over replicas, synchronising) of the units reducing in this backward, as set when it began
-    reduces: dict[int, tuple[bool, bool]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.positions = {id(s): index for index, s in enumerate(self.gather_order)}
-
-    def takes_part(self, state: ShardState) -> bool:
-        return id(state) in self.positions
 
     def gather_for_backward(self, state: ShardState) -> None:
         """``state`` needs its parameters for backward: issue the backward all-gathers up to it in the agreed order.
@@ -103,41 +77,43 @@ class BackwardWalk:
         wait through this unit's reduce-scatter on top of every accumulation buffer: the step's peak).
         """
         self.reap()
-        target = self.positions.get(id(state))
+        record = state.record
+        target = record.position
         if target is None:
-            if id(state) in self.done:
+            if record.done:
                 raise RuntimeError(f"internal error in fsdp_compose: {self.where(state)} gathered after its backward")
             # Run by this backward although no forward entry said so (a forward inside it, a unit nested in a
             # recomputed one): every rank gathers it here alike, outside the compiled program (not checked).
             state.gather_now()
             return
         self._advance_gathers(target, needed=state)
-        if id(state) not in self.done and state.unshard_in_backward:
+        if not record.done and state.unshard_in_backward:
             self._run("all_gather", state, state.unit.gather, state.gather_now)
 
     def _issue_backward_gather(self, passed: ShardState, *, now: bool) -> None:
+        record = passed.record
         if not passed.unshard_in_backward:
-            self.gathered.add(id(passed))  # its backward reads no parameter: nothing to gather
+            record.gathered = True  # its backward reads no parameter: nothing to gather
         elif now:
             # Copied out before its prefetch is issued: the prefetch's output then never coexists with this unit's
             # all-gather output and full parameters (the same all-gathers, in the same order).
-            self.gathered.add(id(passed))
+            record.gathered = True
             self._run("all_gather", passed, passed.unit.gather, passed.gather_now)
-        elif id(passed) not in self.gathered:
-            self.gathered.add(id(passed))
+        elif not record.gathered:
+            record.gathered = True
             self._run("all_gather", passed, passed.unit.gather, functools.partial(passed.start_gather, async_op=True))
         if passed.backward_prefetch is not None:
-            self._prefetch([t for t in passed.backward_prefetch if self.takes_part(t)])
+            self._prefetch([t for t in passed.backward_prefetch if t.record.position is not None])
         elif not self.draining:
             following = self.gather_cursor  # the cursor already points past ``passed``
             targets = self.gather_order[following : following + 1]
             point = passed.backward_prefetch_point
-            if not targets or not now or id(passed) not in self.reached_here or point == "before":
+            if not targets or not now or not record.reached_here or point == "before":
                 self._prefetch(targets)
             elif point == "after":
-                self.deferred[id(passed)] = _Deferred(targets, None)
+                record.held_prefetch, record.held_until_freed = targets, None
             elif (half := self._midway_bytes(passed)) > 0:
-                self.deferred[id(passed)] = _Deferred(targets, half)
+                record.held_prefetch, record.held_until_freed = targets, half
             else:
                 # Nothing of it can be freed early (no trainable parameter, or the root, whose parameters are
                 # needed at both ends of backward): now, once the window has room.
@@ -160,14 +136,15 @@ class BackwardWalk:
         """
         if nested is None:
             nested = graph_task() != self.graph_task
+        record = state.record
         return (
             self.graph_task is not None
             and not nested
-            and id(state) in self.reached_here
-            and id(state) not in self.done
-            and (self.calls_here.get(id(state)) == 1 or self.awaiting.get(id(state), 0) == 1)
+            and record.reached_here
+            and not record.done
+            and (record.calls_here == 1 or record.awaiting == 1)
             and state.reshard_after_backward
-            and state.record.recomputes_due == 0
+            and record.recomputes_due == 0
         )
 
     def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
@@ -182,9 +159,9 @@ class BackwardWalk:
         freed = state.unit.gather.free_early(mp)
         if not freed:
             return
-        total = self.freed_early[id(state)] = self.freed_early.get(id(state), 0) + freed
-        deferred = self.deferred.get(id(state))
-        if deferred is None or deferred.freed is None or total < deferred.freed:
+        record = state.record
+        record.freed_early += freed
+        if not record.held_prefetch or record.held_until_freed is None or record.freed_early < record.held_until_freed:
             return
         if not self.accelerated:
             # gloo reports a reduce-scatter complete only once it is waited for: wait (where ``issue_reductions``
@@ -194,39 +171,38 @@ class BackwardWalk:
         else:
             self.reap()
         if len(self.reducing) < self.max_reduce_inputs:
-            del self.deferred[id(state)]
-            self._prefetch(deferred.targets)
-            self.landing[id(state)] = deferred.targets
+            record.landing, record.held_prefetch = record.held_prefetch, []
+            self._prefetch(record.landing)
 
     def _prefetch(self, targets: list[ShardState], *, after_reductions: bool = False) -> None:
         for target in targets:
-            if id(target) not in self.gathered and target.unshard_in_backward:
+            if not target.record.gathered and target.unshard_in_backward:
                 if after_reductions:
                     # The reduce-scatter this unit is about to issue waits for the older ones anyway (the window):
                     # waiting first keeps them from living next to the prefetched all-gather output.
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
-                self.gathered.add(id(target))
+                target.record.gathered = True
                 self._run(
                     "all_gather", target, target.unit.gather, functools.partial(target.start_gather, async_op=True)
                 )
 
     def call_backward_done(self, state: ShardState) -> None:
         """A ``_PostBackward`` of ``state`` ran: once every call of it this backward runs here has, finish it."""
-        left = self.awaiting.get(id(state), 0)
-        if id(state) in self.done or not self.takes_part(state) or left < 0:
-            return  # a unit with left < 0 finishes in the final callback
-        self.awaiting[id(state)] = left - 1
-        if left - 1 <= 0:
+        record = state.record
+        if record.done or record.position is None or record.awaiting < 0:
+            return  # a unit awaiting -1 finishes in the final callback
+        record.awaiting -= 1
+        if record.awaiting <= 0:
             self._finish_unit(state)
             self.issue_reductions()
 
     def _finish_unit(self, state: ShardState) -> None:
         """The unit's backward is done here: free its full parameters, land what it prefetched midway, stage (or
         accumulate) its gradients, then issue its prefetch if it was held back to here."""
-        self.done.add(id(state))
-        target = self.positions.get(id(state))
-        if id(state) not in self.gathered and target is not None:
-            self._advance_gathers(target)  # peers gather it: so does this rank, before its reduction
+        record = state.record
+        record.done = True
+        if not record.gathered and record.position is not None:
+            self._advance_gathers(record.position)  # peers gather it: so does this rank, before its reduction
         if state.reshard_after_backward and state.unit.gather.state is not UnitState.GATHERING:
             # Free the full parameters first (the gradients live apart from them), on every rank alike, whether it ran
             # the unit or not. One still gathering (never needed here) is freed in the final callback, when waiting
@@ -238,25 +214,26 @@ class BackwardWalk:
         # (always, in a model run in registration order): else a stream wait could close a cycle between two ranks.
         cursor = self.reduce_cursor
         may_wait = cursor < len(self.reduce_order) and self.reduce_order[cursor] is state
-        for prefetched in self.landing.pop(id(state), []):
+        landing, record.landing = record.landing, []
+        for prefetched in landing:
             # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
             # then it never meets this unit's reduce-scatter input and output (issued next); where it may not wait,
             # or the all-gather has not arrived, at its pre-backward.
             unit = prefetched.unit
-            if unit.gather.state is UnitState.GATHERING and id(prefetched) in self.reached_here:
+            if unit.gather.state is UnitState.GATHERING and prefetched.record.reached_here:
                 if unit.gather.arrived() or may_wait:
                     prefetched.gather_now()
-        state.record.opened = False
+        record.opened = False
         grads = state.unit.grads
         if grads.trainable and grads.input.buffer is None:
             self.make_room()  # a new reduce-scatter input is filled next
-        if id(state) not in self.reduces:
+        if record.reduces is None:
             grads.accumulate()
         elif grads.trainable:
             self._run("all_reduce", state, grads, grads.stage)
-        deferred = self.deferred.pop(id(state), None)
-        if deferred is not None:
-            self._prefetch(deferred.targets, after_reductions=True)
+        held, record.held_prefetch = record.held_prefetch, []
+        if held:
+            self._prefetch(held, after_reductions=True)
 
     def _advance_gathers(self, target: int, needed: ShardState | None = None) -> None:
         """Move the gather cursor past position ``target``, issuing every backward all-gather on the way (``needed``
@@ -276,12 +253,13 @@ class BackwardWalk:
         """
         while self.reduce_cursor < len(self.reduce_order):
             state = self.reduce_order[self.reduce_cursor]
-            if id(state) not in self.done:
-                if id(state) in self.reached_here and not final:
+            record = state.record
+            if not record.done:
+                if record.reached_here and not final:
                     return  # its gradients may still come
                 self._finish_unit(state)
             grads = state.unit.grads
-            if id(state) in self.reduces and grads.trainable:
+            if record.reduces is not None and grads.trainable:
                 if grads.state is not GradState.STAGED:
                     if grads.input.buffer is None:
                         self.make_room()
@@ -292,7 +270,7 @@ class BackwardWalk:
                     # in flight holds gloo's copy of its input. On an accelerator the wait came before the filling,
                     # and an accumulation buffer is alive anyway: a wait here would only stall compute.
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
-                all_reduce, synchronising = self.reduces[id(state)]
+                all_reduce, synchronising = record.reduces
                 grads.reduce(all_reduce_replicas=all_reduce, synchronising=synchronising)
                 if self.program is not None and state.unit.world_size > 1:
                     self.program.expect("reduce_scatter", state, self.where)
@@ -335,7 +313,7 @@ class BackwardWalk:
         self.reap()
         while len(self.reducing) > keep:
             oldest = self.reducing[0]
-            if self.gather_cursor <= self.wait_after.get(id(oldest), len(self.gather_order)):
+            if self.gather_cursor <= oldest.record.wait_after:
                 return
             self._run("all_reduce", oldest, oldest.unit.grads, oldest.unit.grads.advance)
             self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
@@ -349,7 +327,7 @@ class BackwardWalk:
         """
         self._advance_gathers(len(self.gather_order) - 1)
         for state in self.reduce_order:
-            if id(state) not in self.done:
+            if not state.record.done:
                 self._finish_unit(state)
         self.issue_reductions(final=True)
         for state in self.reduce_order:  # the reductions overlapped the rest of backward: wait for what is left

@@ -20,7 +20,6 @@ drives it through ``ShardedUnit``'s methods of the same purpose. A transition no
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -126,14 +125,13 @@ class UnitGather:
         self.state = new
 
     # ------------------------------------------------------------------ issue
-    def start(
-        self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None, adopt: Callable[[], None]
-    ) -> None:
+    def start(self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None) -> None:
         """Issue the all-gather in ``dtype`` (no-op when already unsharded or gathering).
 
         ``stream``: a side stream for the copy-in and the collective's issue, so they overlap compute (None: the
-        current stream; always None on a CPU device). ``finish`` makes the compute stream wait for it. ``adopt``
-        runs before gathering from the shards: the unit picks up parameters replaced or cast since.
+        current stream; always None on a CPU device). ``finish`` makes the compute stream wait for it. The unit has
+        picked up parameters replaced or cast since the last gather (``ShardedUnit.start_unshard``), and resharded a
+        group block kept in another dtype (``ShardState.start_gather``, the forward's ``_open``).
         """
         with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
             if self.state is UnitState.GROUP_SHARDED:
@@ -142,10 +140,10 @@ class UnitGather:
                 if block is not None and block.dtype == dtype:
                     self._start_group_gather(block, async_op=async_op)
                     return
-                self._to(UnitState.SHARDED)  # gathered in another precision since: gather from the shards
+                block_dtype = None if block is None else block.dtype
+                raise internal_error(f"unit {self.owner_name}", f"a group block in {block_dtype} gathered as {dtype}")
             if self.state is not UnitState.SHARDED:
                 return
-            adopt()
             self.compute_dtype = dtype
             if not self.shards.uniform:
                 self._start_plan(dtype, async_op=async_op)

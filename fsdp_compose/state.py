@@ -179,6 +179,7 @@ class UnitStepRecord:
         self.kept_unsharded = False
         self.recomputes_due = 0  # calls this backward recomputes (set by the step when it begins)
         self.forget_step()
+        self.forget_backward()
 
     def forget_step(self) -> None:
         """Forget this step's forward: entries, open calls, casts."""
@@ -197,6 +198,25 @@ class UnitStepRecord:
         self.calls: dict[int, list[ForwardCall]] = {}  # module id -> entries of calls between pre- and post-forward
         self.full_precision_now = False
         self.incoming_dtype: dict[int, torch.dtype] = {}  # module id -> dtype its inputs had before the cast
+
+    def forget_backward(self, wait_after: int = 0) -> None:
+        """The running backward's facts about the unit: set by the step when the backward begins (for every unit of
+        the root, ``step._build_walk``), then moved on by its walk (backward.py)."""
+        self.position: int | None = None  # its place in the agreed gather order; None: no part in this backward
+        self.reached_here = False  # this rank's backward runs the unit
+        self.calls_here = 0  # calls of it this backward runs here
+        self.awaiting = 0  # post-backward hooks still to fire here (-1: only the final callback knows)
+        # The gather position the cursor must have passed before a wait for its reduction may block (``make_room``)
+        self.wait_after = wait_after
+        self.reduces: tuple[bool, bool] | None = None  # (all-reduce over replicas, synchronising) if it reduces now
+        self.gathered = False  # its backward all-gather was issued (by the cursor or a prefetch)
+        self.done = False  # finished here: gradients staged or accumulated
+        self.freed_early = 0  # bytes of its full parameters freed early
+        # Its implicit prefetch, held back (``backward_prefetch_point`` midway or after): issued once
+        # ``held_until_freed`` bytes of its full parameters are freed early (None: at its end), at its end at the latest
+        self.held_prefetch: list[ShardState] = []
+        self.held_until_freed: int | None = None
+        self.landing: list[ShardState] = []  # what it prefetched midway: their all-gathers land at its end
 
 
 class ShardState:
@@ -277,7 +297,7 @@ class ShardState:
         """Issue this unit's all-gather in its compute dtype if it needs one (or is gathered in another dtype)."""
         dtype = self.compute_dtype(self.modules[0])
         gather = self.unit.gather
-        if gather.state in (UnitState.UNSHARDED, UnitState.GATHERING) and gather.compute_dtype != dtype:
+        if gather.state is not UnitState.SHARDED and gather.compute_dtype != dtype:
             gather.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
         if gather.needs_gather:
             self.unit.start_unshard(dtype, async_op=async_op, stream=self.gather_stream)

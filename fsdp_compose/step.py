@@ -82,7 +82,7 @@ class StepContext:
         # The step already ended on every rank (this rank raised StepAbandoned, or its fc.reset_step met the others
         # in the agreement): another fc.reset_step has nothing left to do, on any rank.
         self.ended_everywhere = False
-        self.calls_seen = 0  # forward calls of units so far (their order: see _wait_after)
+        self.calls_seen = 0  # forward calls of units so far (their order: see _note_wait_after)
         self.forward_raised = False  # the last root forward raised: its remaining all-gathers were never issued
         # The last backward left no-sync gradients in accumulation buffers (decided from settings, so it is the same
         # on every rank), and the backward that reduces them "drains" the window (see begin_backward).
@@ -385,34 +385,39 @@ def _closing_word(step: StepContext, *, abandoning: bool, program: Program | Non
 def _build_walk(
     step: StepContext, participants: list[bool], running_calls: dict[int, list[ForwardCall]], running: object = None
 ) -> BackwardWalk:
-    """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs."""
+    """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs. Each unit's
+    record gets this backward's facts about it (``UnitStepRecord.forget_backward``)."""
     takes_part = {id(s) for s, p in zip(step.states, participants, strict=True) if p}
-    here = {id(s) for s in step.states if running_calls.get(id(s))}
-    # Post-backward hooks each participant waits for here. A call whose inputs need no gradient has none (its
-    # backward's end is not observable): such a unit finishes in the final callback.
-    awaiting: dict[int, int] = {}
-    for state in step.states:
-        calls = running_calls.get(id(state), [])
-        if calls:
-            observable = all(e.post_backward_runs() for e in calls)
-            awaiting[id(state)] = len(calls) if observable else -1
     gather_order = [s for s in step.schedule.gather_order if id(s) in takes_part]
-    reduces = {id(s): (s.requires_all_reduce, s.requires_gradient_sync) for s in gather_order if s.reduces_now}
-    step.draining = step.gradients_held and bool(reduces)
+    reducing = False
+    for state in step.states:
+        record = state.record
+        record.forget_backward(wait_after=len(gather_order))
+        calls = running_calls.get(id(state))
+        if calls:
+            # Post-backward hooks it waits for here. A call whose inputs need no gradient has none (its backward's
+            # end is not observable): such a unit finishes in the final callback.
+            observable = all(e.post_backward_runs() for e in calls)
+            record.reached_here = True
+            record.calls_here = len(calls)
+            record.awaiting = len(calls) if observable else -1
+    for position, state in enumerate(gather_order):
+        state.record.position = position
+        if state.reduces_now:
+            state.record.reduces = (state.requires_all_reduce, state.requires_gradient_sync)
+            reducing = True
+    _note_wait_after(gather_order)
+    step.draining = step.gradients_held and reducing
+    reached = any(running_calls.values())
     return BackwardWalk(
         gather_order=gather_order,
         reduce_order=[s for s in step.schedule.reduce_order if id(s) in takes_part],
-        reached_here=here,
-        awaiting=awaiting,
         consumed={id(e) for calls in running_calls.values() for e in calls},
         draining=step.draining,
         max_reduce_inputs=step.root.max_reduce_inputs,
         accelerated=step.accelerated,
-        reduces=reduces,
         where=step._where,
-        wait_after=_wait_after(gather_order),
-        graph_task=graph_task() if here and not _recomputes_inside(running_calls) else None,
-        calls_here={id(s): len(running_calls[id(s)]) for s in step.states if running_calls.get(id(s))},
+        graph_task=graph_task() if reached and not _recomputes_inside(running_calls) else None,
     )
 
 
@@ -435,7 +440,9 @@ def _zero_walk(step: StepContext, agreed: Agreement, *, replayed: bool) -> Backw
     _decide_flag_columns(step.states, agreed)
     walk = _build_walk(step, agreed.participants, {})
     if replayed:
-        walk.gathered |= {id(s) for s in walk.gather_order if not s.reshard_after_forward}
+        for state in walk.gather_order:
+            if not state.reshard_after_forward:
+                state.record.gathered = True
     return walk
 
 
@@ -526,19 +533,16 @@ def _recomputes_inside(running_calls: dict[int, list[ForwardCall]]) -> bool:
     return False
 
 
-def _wait_after(gather_order: list[ShardState]) -> dict[int, int]:
+def _note_wait_after(gather_order: list[ShardState]) -> None:
     """Per participant ``v``: the last gather position among ``v`` and every participant with a forward call after
     ``v``'s first one (its backward may come before ``v``'s gradients are complete, on any rank)."""
     first = {id(s): min((e.seq for e in (*s.record.entries, *s.record.ran)), default=-1) for s in gather_order}
     last = {id(s): max((e.seq for e in (*s.record.entries, *s.record.ran)), default=-1) for s in gather_order}
-    result = {}
     for state in gather_order:
         if first[id(state)] < 0:
-            result[id(state)] = len(gather_order)  # no call recorded here: wait only once every gather is out
-            continue
-        result[id(state)] = max(
+            continue  # no call recorded here: wait only once every gather is out (forget_backward's default)
+        state.record.wait_after = max(
             position
             for position, other in enumerate(gather_order)
             if other is state or last[id(other)] > first[id(state)]
         )
-    return result

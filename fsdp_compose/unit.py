@@ -10,7 +10,7 @@ A unit is made of three parts, each in its own file, which know nothing of each 
 What stays here is what concerns all three at once, and so needs their owner: which dtypes the unit computes and
 reduces in; catching up with parameters the user replaced, cast or (un)froze since the last gather (each may
 re-lay out the shards and rebuild the gradient side); moving a tied parameter out to an enclosing unit; and
-``copy.deepcopy``. The engine (state.py, step.py, backward.py) calls the parts directly: ``unit.gather`` (wait,
+``copy.deepcopy``. The engine (hooks.py, step.py, backward.py) calls the parts directly: ``unit.gather`` (wait,
 reshard, state), ``unit.shards`` (parameters, layout) and ``unit.grads``; only a gather's start goes through
 ``start_unshard`` here, because a gather from the shards first catches up with replaced parameters.
 """
@@ -143,7 +143,8 @@ class ShardedUnit:
     # ------------------------------------------------------------------ the gather (gathering.py)
     def start_unshard(self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None = None) -> None:
         """Issue the all-gather in ``dtype`` (``UnitGather.start``); a gather from the shards adopts changes first."""
-        self.gather.start(dtype, async_op=async_op, stream=stream, adopt=self.adopt_if_changed)
+        self.adopt_if_changed()  # nothing to do unless the gather reads the shards (SHARDED)
+        self.gather.start(dtype, async_op=async_op, stream=stream)
 
     def unshard(self, dtype: torch.dtype) -> None:
         self.start_unshard(dtype, async_op=False)

@@ -107,6 +107,9 @@ def pre_forward(
                 walk.gather_for_backward(state)
             else:
                 state.gather_now()  # no step yet, or a backward that began under another root (nested roots)
+            # As the original call computed: a full-precision eval forward since (between this forward and its
+            # backward) must not leave its precision to the recompute, whose outputs would then differ in dtype.
+            record.full_precision_now = state.full_precision_in_eval and not module.training
             args, kwargs = cast_inputs(state, module, args, kwargs, state.compute_dtype(module))
             if record.recomputes_due and torch.is_grad_enabled():
                 # A reentrant checkpoint's recompute: its own backward follows, which ends this call's backward.

@@ -667,6 +667,26 @@ FOUND_BY_THE_SWEEP = {
         mid_evals=((2, "grad"),),
         full_precision_eval=True,
     ),
+    # an eval forward under set_full_precision_in_eval between a bf16 forward and its backward, a unit inside an
+    # activation-checkpointed block returning a tuple: the recompute kept the eval's full precision for its outputs
+    # (not cast back to the incoming fp32), and torch's checkpoint raised "Recomputed values ... different metadata"
+    "recompute_after_full_precision_eval": CaseConfig(
+        ws=2,
+        steps=2,
+        blocks=(
+            BlockSpec(
+                (LayerSpec("mlp", 3),),
+                False,
+                inner=(LayerSpec("mlp", 3),),
+                inner_shard=True,
+                ckpt="around",
+                output="tuple",
+            ),
+        ),
+        mp="blocks",
+        full_precision_eval=True,
+        mid_evals=((0, "no_grad"),),
+    ),
     "chunked_loss_backward_fault_leak": CaseConfig(
         ws=1,
         steps=1,

@@ -18,6 +18,7 @@ from .hooks import post_forward, pre_forward
 from .meshes import post_forward_group_for, reshard_after_forward_setting
 from .policies import PREFETCH_POINTS, PrefetchPoint
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
+from .step import StepContext
 
 __all__ = [
     "UnshardHandle",
@@ -154,8 +155,9 @@ def reset_step(module: nn.Module) -> None:
     """
     state = _require_state(module, "reset_step")
     root = state.root
-    if root is not None and root.ctx is not None:
-        root.ctx.reset()  # the step belongs to the root: reset all of it, whichever of its modules was passed
+    step = root.ctx if root is not None else None
+    if isinstance(step, StepContext):
+        step.reset()  # the step belongs to the root: reset all of it, whichever of its modules was passed
         return
     for sub in states_under(module):  # never ran a forward: nothing but held state to drop
         sub.unit.grads.discard()

@@ -80,8 +80,6 @@ class StepOwner(Protocol):
 
     gather_stream: torch.Stream | None
 
-    def reset(self) -> None: ...
-
 
 class ForwardCall:
     """One forward call of one of a unit's modules whose outputs need gradients: what its backward will run.

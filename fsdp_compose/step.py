@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepContext", "StepPhase", "close_unit"]
+__all__ = ["StepContext", "StepPhase", "close_unit", "keep_for_next_forward"]
 
 
 class StepPhase(enum.Enum):
@@ -341,6 +341,13 @@ def _to_device(device: torch.device, value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device != device:
         return value.to(device)
     return value
+
+
+def keep_for_next_forward(state: ShardState) -> None:
+    """A unit still gathered by a forward whose backward has not run yet stays gathered through the next root
+    forward (a pipeline stage's next micro-batch), as FSDP2 keeps it: that forward would free and gather it again."""
+    if state.record.entries and state.unit.gather.state is UnitState.UNSHARDED:
+        state.record.kept_unsharded = True
 
 
 def close_unit(state: ShardState) -> None:

@@ -26,9 +26,10 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
+import torch.nn as nn
 
 from .flat import FlatShard, ManagedParam, make_full_param
 from .offload import UnitDevices
@@ -310,7 +311,7 @@ class FullBuffer:
     outs: list[torch.Tensor]
     relaid: set[int]  # slots sharded on a dim k > 0: their full parameter follows the padded columns
     # id(ManagedParam) -> (full parameter, its .data, hooked) in this dtype: set again when this dtype is gathered
-    params: dict[int, tuple[Any, Any, bool]] = field(default_factory=dict)
+    params: dict[int, tuple[nn.Parameter, torch.Tensor | None, bool]] = field(default_factory=dict)
     # slot -> how many tensors of this library's own view its storage (once its full parameter exists): more at
     # ``free_slot`` means someone else still views it
     own_references: dict[int, int] = field(default_factory=dict)

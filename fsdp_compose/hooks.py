@@ -298,7 +298,7 @@ class _PostBackward(torch.autograd.Function):
 
 def _wrap_inputs(
     state: ShardState, args: tuple[Any, ...], kwargs: dict[str, Any], entry: ForwardCall, *, per_input: bool = True
-) -> tuple[Any, Any]:
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``per_input=False``: one node over all inputs (a reentrant checkpoint's recompute, which begins after the
     backward asked which nodes it runs: its one node ends the call)."""
     needing = unique_tensors(t for t in tensors_in((args, kwargs)) if t.requires_grad)

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import Node
 from torch.distributed.device_mesh import DeviceMesh
 
 from .grads import gradient_node
@@ -100,8 +102,8 @@ class ForwardCall:
 
     def __init__(self, seq: int = 0) -> None:
         self.seq = seq  # the root's count of calls in this step when this one began: forward order
-        self.pre: list[weakref.ref[Any]] = []
-        self.post: list[weakref.ref[Any]] = []
+        self.pre: list[weakref.ref[Node]] = []
+        self.post: list[weakref.ref[Node]] = []
         # Input nodes still to run in this backward (set when the backward begins; the last one ends the call)
         self.posts_left = 0
         self.always = False  # no node to ask (outputs under a torch.func transform): taken as run by a backward
@@ -128,6 +130,7 @@ class ForwardCall:
             return True
         if self.anchor is not None:
             return self.anchor.runs_in_this_backward(running)
+        nodes: Sequence[Node | None]
         if self.inputs is not None:
             nodes = [gradient_node(t) for t in (ref() for ref in self.inputs) if t is not None]
         else:
@@ -138,7 +141,7 @@ class ForwardCall:
                 return True
         return False
 
-    def pre_nodes(self) -> list[Any]:
+    def pre_nodes(self) -> list[Node]:
         """The output nodes still alive (their graphs may run)."""
         alive = []
         for ref in self.pre:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd import Variable
+from torch.autograd.graph import Node
 from torch.utils._pytree import tree_map
 
 from .backward import BackwardWalk, graph_task
@@ -520,7 +521,7 @@ def _recomputes_inside(running_calls: dict[int, list[ForwardCall]]) -> bool:
     A unit called inside the checkpoint is seen by its entry; a checkpoint inside a unit's forward by the graph
     below the units' outputs, walked once.
     """
-    stack: list[Any] = []
+    stack: list[Node] = []
     for calls in running_calls.values():
         for entry in calls:
             if entry.inputs is not None or entry.anchor is not None:

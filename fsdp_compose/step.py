@@ -192,7 +192,7 @@ class StepContext:
         _decide_flag_columns(self.states, agreed)
         for state in self.states:
             state.record.recomputes_due = sum(1 for e in running_calls[id(state)] if e.inputs is not None)
-        self.backward = _build_walk(self, agreed.participants, running_calls, running)
+        self.backward = _build_walk(self, agreed.participants, running_calls)
         self.backward.program = _compile(self, self.backward)
         self.programs.append(self.backward.program)
         self.phase = StepPhase.BACKWARD
@@ -391,7 +391,7 @@ def _closing_word(step: StepContext, *, abandoning: bool, program: Program | Non
 
 
 def _build_walk(
-    step: StepContext, participants: list[bool], running_calls: dict[int, list[ForwardCall]], running: object = None
+    step: StepContext, participants: list[bool], running_calls: dict[int, list[ForwardCall]]
 ) -> BackwardWalk:
     """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs. Each unit's
     record gets this backward's facts about it (``UnitStepRecord.forget_backward``)."""

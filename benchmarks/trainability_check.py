@@ -12,12 +12,12 @@ tiny ``nn.Linear(4, 4)`` layers (weight and bias: two parameters each), sharded 
 After one forward and backward (lazy init), timed with ``timeit`` (best and median of ``--repeat`` repetitions,
 each long enough to take 0.2 s), per step:
 
-- **no change**: ``for state in root_state.root_states: state.unit.refresh_trainable()`` with nothing changed: one
+- **no change**: ``state.params_changed()`` for every unit with nothing changed: one identity and one
   ``requires_grad`` comparison per parameter, what the root adds to every forward;
 - **one change**: flip ``requires_grad`` of one parameter, then the same loop: the unit holding it rebuilds its
   gradient layout (under ``frozen_params="replicate"`` it also re-lays out its parameters: the flipped one moves
   between sharded and whole, an all-gather of the unit at world size > 1, none here);
-- for context: ``views_intact()`` of every unit (the identity check run before every all-gather) and one forward and
+- for context: ``views_intact()`` of every unit (the identity check of a unit's adoption) and one forward and
   backward of the model on a batch of ``--batch`` rows.
 """
 
@@ -90,7 +90,7 @@ def measure(params: int, group: int | None, mode: str, args: argparse.Namespace,
 
     def check() -> None:
         for state in states:
-            state.unit.refresh_trainable()
+            state.params_changed()
 
     flipped = next(p for p in model.parameters())
 
@@ -104,7 +104,7 @@ def measure(params: int, group: int | None, mode: str, args: argparse.Namespace,
 
     def views() -> None:
         for state in states:
-            state.unit.views_intact()
+            state.unit.shards.views_intact()
 
     result = {"units": sum(1 for s in states if s.unit.shards.params), "states": len(states)}
     result["check"] = per_call(check, args.repeat)

@@ -37,15 +37,9 @@ if TYPE_CHECKING:
     from .grads import UnitGradients
     from .state import ShardState
 
-__all__ = ["BackwardWalk", "graph_task"]
+__all__ = ["BackwardWalk"]
 
 Issuer = Union["UnitGather", "UnitGradients"]  # what counts the collectives a unit issued (``issued``)
-
-
-def graph_task() -> int | None:
-    """autograd's id of the backward running now (None where this torch cannot tell: nothing is freed early)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return None if current is None else int(current())
 
 
 @dataclass
@@ -64,7 +58,8 @@ class BackwardWalk:
     gather_cursor: int = 0
     reduce_cursor: int = 0
     reducing: list[ShardState] = field(default_factory=list)  # reductions whose input may be alive, oldest first
-    # autograd's id of this backward (a nested one, a reentrant recompute's, differs); None: nothing is freed early
+    # autograd's id of this backward (``torch._C._current_graph_task_id``: a nested one, a reentrant recompute's,
+    # differs); None: nothing is freed early
     graph_task: int | None = None
     program: Program | None = None  # this backward's collectives (program.py): each one issued is checked against it
 
@@ -112,18 +107,19 @@ class BackwardWalk:
                 self._prefetch(targets)
             elif point == "after":
                 record.held_prefetch, record.held_until_freed = targets, None
-            elif (half := self._midway_bytes(passed)) > 0:
-                record.held_prefetch, record.held_until_freed = targets, half
             else:
-                # Nothing of it can be freed early (no trainable parameter, or the root, whose parameters are
-                # needed at both ends of backward): now, once the window has room.
-                self._prefetch(targets, after_reductions=True)
-
-    def _midway_bytes(self, state: ShardState) -> int:
-        """Half the bytes of ``state``'s full parameters that backward may free early (0: none, or the root)."""
-        if not state.reshard_after_forward or not self._frees_early(state, nested=False):
-            return 0
-        return state.unit.gather.early_freeable_bytes(state.unit.grads.trainable) // 2
+                # Midway: once half the bytes of its full parameters that backward may free early are freed.
+                gather = passed.unit.gather
+                half = 0
+                if passed.reshard_after_forward and gather.state is UnitState.UNSHARDED:
+                    if self._frees_early(passed, nested=False):
+                        half = gather.fulls.early_freeable_bytes(passed.unit.grads.trainable) // 2
+                if half > 0:
+                    record.held_prefetch, record.held_until_freed = targets, half
+                else:
+                    # Nothing of it can be freed early (no trainable parameter, or the root, whose parameters are
+                    # needed at both ends of backward): now, once the window has room.
+                    self._prefetch(targets, after_reductions=True)
 
     def _frees_early(self, state: ShardState, *, nested: bool | None = None) -> bool:
         """May a full parameter of ``state`` whose gradient was just accumulated be freed now, before its unit ends?
@@ -134,12 +130,13 @@ class BackwardWalk:
         checkpoint: ``graph_task`` None frees nothing early, ``step._recomputes_inside``). ``FullParams.free_early``
         adds the last check: nothing but the library's own tensors views it.
         """
+        if self.graph_task is None:
+            return False
         if nested is None:
-            nested = graph_task() != self.graph_task
+            nested = torch._C._current_graph_task_id() != self.graph_task
         record = state.record
         return (
-            self.graph_task is not None
-            and not nested
+            not nested
             and record.reached_here
             and not record.done
             and (record.calls_here == 1 or record.awaiting == 1)
@@ -148,15 +145,18 @@ class BackwardWalk:
         )
 
     def gradient_made(self, state: ShardState, mp: ManagedParam) -> None:
-        """A full parameter of ``state`` got its gradient: to the unit's gradients (``make_room`` first where they
-        fill a new input); free it where ``_frees_early`` allows; midway prefetch once half the unit is freed."""
+        """A full parameter of ``state`` got its gradient: to the unit's gradients where they are filling a buffer
+        (``make_room`` first for a new one); free it where ``_frees_early`` allows; midway prefetch once half the
+        unit is freed."""
         grads = state.unit.grads
-        if grads.accumulating and grads.input.buffer is None:
-            self.make_room()
-        grads.capture(mp)
-        if not self._frees_early(state):
+        if grads.accumulating or grads.input.buffer is not None:
+            if grads.input.buffer is None:
+                self.make_room()
+            grads.capture(mp)
+        gather = state.unit.gather
+        if gather.state is not UnitState.UNSHARDED or not self._frees_early(state):
             return
-        freed = state.unit.gather.free_early(mp)
+        freed = gather.fulls.free_early(mp)
         if not freed:
             return
         record = state.record
@@ -316,7 +316,11 @@ class BackwardWalk:
             if self.gather_cursor <= oldest.record.wait_after:
                 return
             self._run("all_reduce", oldest, oldest.unit.grads, oldest.unit.grads.advance)
-            self.reducing = [s for s in self.reducing if s.unit.grads.state is GradState.REDUCE_SCATTERING]
+            still = []
+            for state in self.reducing:
+                if state.unit.grads.state is GradState.REDUCE_SCATTERING:
+                    still.append(state)
+            self.reducing = still
 
     def complete(self) -> None:
         """Issue and wait for the rest of this backward's collectives, in the agreed order.

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import current_stream, issued_on, record_event
 from .extensions import ShardExtensions
-from .flat import ManagedParam, run_post_accumulate_grad_hooks, sharded_dtensor
+from .flat import ManagedParam, sharded_dtensor
 from .meshes import DataParallelMesh
 from .offload import UnitDevices
 from .transitions import internal_error
@@ -107,8 +107,10 @@ class GradientDelivery:
         # final callback): reduced rows wait in ``pending`` until ``settle``, or are dropped with the step.
         self.hold = False
         # (id of .grad, its version) per parameter when held gradients were last left between steps: a user's
-        # zero_grad changes them, which tells that the held gradients must be dropped too.
-        self._marks: dict[int, tuple[int, int, int]] = {}
+        # zero_grad changes them, which tells that the held gradients must be dropped too. Forgotten (emptied) once
+        # nothing is held; ``_placeholders`` stay: a zero placeholder the user zeroed in place is still ``.grad`` and
+        # must be replaced, not added into, at the next delivery.
+        self.marks: dict[int, tuple[int, int, int]] = {}
         self._placeholders: dict[int, int] = {}  # id(mp) -> id of the zero .grad that mark_held put there
 
     def deliver(
@@ -207,8 +209,13 @@ class GradientDelivery:
         if into:
             torch._foreach_add_(into, adds)
         if delivery.synchronising:
+            # Hooks users registered on the sharded parameters (``register_post_accumulate_grad_hook``): autograd
+            # never accumulates into them, so they run here, once the gradient is final.
             for mp in delivered:
-                run_post_accumulate_grad_hooks(mp.sharded)
+                hooks = getattr(mp.sharded, "_post_accumulate_grad_hooks", None)
+                if hooks:
+                    for hook in list(hooks.values()):
+                        hook(mp.sharded)
         if delivery.synchronising and self._placeholders:
             # A parameter no rank had a gradient for keeps ``.grad = None`` (as in single-process training), also
             # where a held-gradient placeholder stood: otherwise optimizers would step it (weight decay, momentum).
@@ -229,7 +236,7 @@ class GradientDelivery:
         identity and version are noted: ``zero_grad()`` either sets it to None or zeroes it in place, and
         ``user_zeroed`` sees either at the next step.
         """
-        self._marks = {}
+        self.marks = {}
         for mp in self.layout.trainable:
             grad = mp.sharded.grad
             if grad is None:
@@ -239,24 +246,19 @@ class GradientDelivery:
                 grad = _like_sharded(mp, torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape))
                 mp.sharded.grad = grad
                 self._placeholders[id(mp)] = id(grad)
-            self._marks[id(mp)] = (id(grad), *_versions(grad))
+            self.marks[id(mp)] = (id(grad), *_versions(grad))
 
     def user_zeroed(self) -> bool:
         """Whether the user zeroed (or set to None) a sharded ``.grad`` since ``mark_held`` (then the marks go)."""
         for mp in self.layout.trainable:
-            mark = self._marks.get(id(mp))
+            mark = self.marks.get(id(mp))
             grad = mp.sharded.grad
             if mark is None:
                 continue
             if grad is None or id(grad) != mark[0] or _zeroed_in_place(grad, mark):
-                self._marks = {}
+                self.marks = {}
                 return True
         return False
-
-    def forget_marks(self) -> None:
-        # ``_placeholders`` stay: a zero placeholder the user zeroed in place is still ``.grad`` and must be
-        # replaced, not added into, at the next delivery.
-        self._marks = {}
 
 
 def _like_sharded(mp: ManagedParam, local: torch.Tensor) -> DTensor:

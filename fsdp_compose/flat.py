@@ -42,9 +42,7 @@ __all__ = [
     "FlatShard",
     "ManagedParam",
     "ShardGroup",
-    "local_grad",
     "make_full_param",
-    "run_post_accumulate_grad_hooks",
 ]
 
 # Attribute set on every sharded parameter so a later fully_shard on a submodule can tell that an enclosing call
@@ -506,30 +504,3 @@ def make_full_param(
     )
     full = nn.Parameter(dtensor, requires_grad=requires_grad)
     return full, cast(DTensor, full)._local_tensor.data
-
-
-def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
-    """Hooks users registered on the sharded parameter (``register_post_accumulate_grad_hook``): autograd never
-    accumulates into it, so they are called here, once its gradient is final."""
-    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-    if hooks:
-        for hook in list(hooks.values()):
-            hook(param)
-
-
-def local_grad(mp: ManagedParam) -> torch.Tensor | None:
-    """The full parameter's gradient as the tensor FSDP shards: the TP-local gradient of a TP parameter."""
-    if mp.full is None or mp.full.grad is None:
-        return None
-    grad = mp.full.grad
-    if isinstance(grad, DTensor):
-        # On data-parallel dims (dp_mesh_dims) the local gradient is this rank's contribution whatever its placement
-        # (Partial, typically): the reduce-scatter sums it, so only the TP dims are redistributed.
-        dp_dims = mp.placing.dp_dims
-        target = tuple(
-            grad.placements[i] if i in dp_dims else placement for i, placement in enumerate(mp.placing.tp_placements)
-        )
-        if tuple(grad.placements) != target:
-            grad = grad.redistribute(grad.device_mesh, target)
-        return grad.to_local()
-    return grad

@@ -161,13 +161,12 @@ class FullParams:
         full = self._fulls.get(key)
         groups = self.shards.groups
         layout = groups[group].layout if groups else self.shards.layout
-        members = [mp for mp in self.shards.params if mp.group == group and mp.slot is not None]
         fresh = full is None or full.layout is not layout
         if full is None or fresh:
             full = self._fulls[key] = FullBuffer.build(layout, dtype, self.device)
-        for mp in members:
-            if mp.slot is None:
-                raise internal_error(f"parameter {mp.fqn}", "mp.slot is missing")
+        for mp in self.shards.params:
+            if mp.group != group or mp.slot is None:
+                continue
             current = None if fresh else mp.full
             if current is not None and current.dtype != dtype:  # keep it with its buffer (autograd may hold it)
                 self._fulls[(group, current.dtype)].params[id(mp)] = (current, mp.full_data, mp.full_hooked)
@@ -181,7 +180,11 @@ class FullParams:
                 self.hook(mp)
                 full.params[id(mp)] = (mp.full, mp.full_data, mp.full_hooked)
                 full.note_own_references(mp.slot)
-        full.allocate()
+        for data in full.slots:  # resized back where a reshard freed them
+            storage = data.untyped_storage()
+            nbytes = data.numel() * data.element_size()
+            if storage.size() < nbytes:
+                storage.resize_(nbytes)
         return full
 
     def _ensure_whole(self, mp: ManagedParam, dtype: torch.dtype) -> torch.Tensor:
@@ -224,20 +227,21 @@ class FullParams:
             ):
                 full_data.untyped_storage().resize_(0)
         for full in self._fulls.values():
-            full.free()
+            for data in full.slots:
+                data.untyped_storage().resize_(0)
         for mp in self.shards.params:
             if mp.subclass is not None:
                 mp.subclass.free()
 
     def early_freeable_bytes(self, trainable: list[ManagedParam]) -> int:
         """The storage bytes of ``trainable``'s full parameters that ``free_early`` could free."""
-        return sum(self._slot_bytes(mp) for mp in trainable)
-
-    def _slot_bytes(self, mp: ManagedParam) -> int:
-        full = self._early_buffer(mp)
-        if full is None or mp.slot is None:
-            return 0
-        return full.slot_bytes(mp.slot)
+        total = 0
+        for mp in trainable:
+            full = self._early_buffer(mp)
+            if full is not None and mp.slot is not None:
+                slot = full.slots[mp.slot]
+                total += slot.numel() * slot.element_size()
+        return total
 
     def _early_buffer(self, mp: ManagedParam) -> FullBuffer | None:
         """The buffer holding ``mp``'s current full parameter, if it is a sharded slot's (not kept whole, not a
@@ -261,7 +265,14 @@ class FullParams:
         full = self._early_buffer(mp)
         if full is None or mp.slot is None:
             return 0
-        return full.free_slot(mp.slot)
+        own = full.own_references.get(mp.slot)
+        storage = full.slots[mp.slot].untyped_storage()
+        # ``storage`` itself is one reference, as the temporary one was when ``own`` was counted
+        if own is None or torch._C._storage_Use_Count(storage._cdata) > own:
+            return 0
+        freed = storage.size()
+        storage.resize_(0)
+        return int(freed)
 
     # ------------------------------------------------------------------ their gradients
     def hook(self, mp: ManagedParam) -> None:
@@ -299,9 +310,9 @@ class FullBuffer:
     One storage per slot, padded: slot ``i`` owns ``world_size * slot.numel`` elements, viewed as ``(world_size,
     slot.numel)`` (``outs[i]``), exactly the columns of slot ``i`` in the all-gathered ``(world_size, segment)`` buffer.
     So the copy-out of a whole group is one ``split_with_sizes_copy``. A storage per slot (not one for the group) lets
-    backward free each full parameter as soon as its gradient is made (``free_slot``) instead of when the whole unit's
-    backward ends. The full parameters are views of their storage through ``.data`` (their own version counter):
-    refilling it does not trip autograd's check on tensors saved in forward.
+    backward free each full parameter as soon as its gradient is made (``FullParams.free_early``) instead of when the
+    whole unit's backward ends. The full parameters are views of their storage through ``.data`` (their own version
+    counter): refilling it does not trip autograd's check on tensors saved in forward.
     """
 
     layout: FlatLayout
@@ -313,7 +324,7 @@ class FullBuffer:
     # id(ManagedParam) -> (full parameter, its .data, hooked) in this dtype: set again when this dtype is gathered
     params: dict[int, tuple[nn.Parameter, torch.Tensor | None, bool]] = field(default_factory=dict)
     # slot -> how many tensors of this library's own view its storage (once its full parameter exists): more at
-    # ``free_slot`` means someone else still views it
+    # ``FullParams.free_early`` means someone else still views it
     own_references: dict[int, int] = field(default_factory=dict)
 
     @classmethod
@@ -346,34 +357,8 @@ class FullBuffer:
             slot = self.layout.slots[index]
             copy_param_from_segments(self.param_view(index), self.outs[index], dataclasses.replace(slot, offset=0))
 
-    def allocate(self) -> None:
-        for data in self.slots:
-            allocate_storage(data)
-
-    def free(self) -> None:
-        for data in self.slots:
-            data.untyped_storage().resize_(0)
-
     def note_own_references(self, index: int) -> None:
         self.own_references[index] = _references(self.slots[index])
-
-    def slot_bytes(self, index: int) -> int:
-        return _nbytes(self.slots[index])
-
-    def free_slot(self, index: int) -> int:
-        """Free one slot's storage (its full parameter's) unless a tensor not of this library's still views it; the
-        bytes freed."""
-        own = self.own_references.get(index)
-        if own is None or _references(self.slots[index]) > own:
-            return 0
-        storage = self.slots[index].untyped_storage()
-        freed = storage.size()
-        storage.resize_(0)
-        return freed
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def allocate_storage(tensor: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ import torch.distributed.fsdp as torch_fsdp
 
 from .collectives import Work, all_gather_flat, issued_on, labelled, record_event, wait_for
 from .extensions import ShardExtensions
-from .flat import FlatShard, ManagedParam
+from .flat import FlatShard
 from .full_params import FullParams, GatherPlan
 from .meshes import DataParallelMesh, PostForwardGroup
 from .offload import UnitDevices
@@ -66,19 +66,6 @@ class _PendingGather:
     plan: GatherPlan | None = None  # several dtypes or protocol parameters in one all-gather (full_params.py)
     collective: bool = True  # an all-gather filled ``output`` (False: one rank, the output is the shard itself)
     issued: torch.Event | None = None  # recorded on the side stream after the copy-in and the collective's issue
-
-
-def _free_gathered(pending: _PendingGather, device: torch.device) -> None:
-    """Free a finished all-gather's output once it is copied out, whoever still holds the tensor (CPU only).
-
-    Why: gloo's worker thread keeps its reference to a finished collective's tensors until it gets around to dropping
-    the work, after ``Work.wait`` has returned, so dropping ours frees the buffer some time later, while the next
-    unit may already be computing (a block-sized buffer more at a step's peak, in some steps only). Its storage is
-    released here instead. On an accelerator the buffer is freed by the compute stream's ordering rule
-    (collectives.py), which a resize would bypass.
-    """
-    if pending.collective and device.type == "cpu":
-        pending.output.untyped_storage().resize_(0)
 
 
 class UnitGather:
@@ -130,7 +117,7 @@ class UnitGather:
 
         ``stream``: a side stream for the copy-in and the collective's issue, so they overlap compute (None: the
         current stream; always None on a CPU device). ``finish`` makes the compute stream wait for it. The unit has
-        picked up parameters replaced or cast since the last gather (``ShardedUnit.start_unshard``), and resharded a
+        picked up parameters replaced or cast since the last step (``StepContext.begin_forward``), and resharded a
         group block kept in another dtype (``ShardState.start_gather``, the forward's ``_open``).
         """
         with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
@@ -165,11 +152,12 @@ class UnitGather:
                     if gathered is None:
                         raise internal_error(f"unit {self.owner_name}", "gathered is missing")
                     shard = gathered[self.rank * numel : (self.rank + 1) * numel]
-                    shard.copy_(self.devices.to_compute(flat, flat.dtype))
+                    shard.copy_(self.devices.to_compute(flat, flat.dtype) if self.devices.offloaded else flat)
                     work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
                     pending = _PendingGather(work, gathered, shard, encoded=False)
                 else:
-                    shard = self.devices.to_compute(flat, dtype)
+                    offloaded = self.devices.offloaded
+                    shard = self.devices.to_compute(flat, dtype) if offloaded or flat.dtype != dtype else flat
                     if transform is not None and gathers:
                         shard = transform.encode(shard)
                         gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=self.device)
@@ -230,16 +218,6 @@ class UnitGather:
         """Nothing gathered yet, or only the post-forward group's segments (``reshard_after_forward=k``)."""
         return self.state is UnitState.SHARDED or self.state is UnitState.GROUP_SHARDED
 
-    def early_freeable_bytes(self, trainable: list[ManagedParam]) -> int:
-        """The bytes of full parameters backward may free one by one (``FullParams.free_early``; 0 unless
-        UNSHARDED)."""
-        return self.fulls.early_freeable_bytes(trainable) if self.state is UnitState.UNSHARDED else 0
-
-    def free_early(self, mp: ManagedParam) -> int:
-        """Free one full parameter whose gradient is made, before the rest of the unit; the bytes freed (0: kept
-        until the unit reshards)."""
-        return self.fulls.free_early(mp) if self.state is UnitState.UNSHARDED else 0
-
     # ------------------------------------------------------------------ wait and copy out
     def arrived(self) -> bool:
         """GATHERING: has the all-gather completed (a check, not a wait)? True when there is nothing to wait for."""
@@ -254,7 +232,8 @@ class UnitGather:
             if self._pending_gather is None or self.compute_dtype is None:
                 raise internal_error(f"unit {self.owner_name}", "self._pending_gather or self.compute_dtype is missing")
             pending, self._pending_gather = self._pending_gather, None
-            wait_for(pending.issued, self.device)
+            if pending.issued is not None:  # issued on the side stream
+                wait_for(pending.issued, self.device)
             if pending.work is not None:
                 with labelled(f"fsdp_compose::all_gather_wait[{self.owner_name}]"):
                     pending.work.wait()
@@ -263,19 +242,23 @@ class UnitGather:
                 if pending.plan is not None:
                     self.fulls.copy_out_plan(pending.plan, dtype)
                 else:
-                    self.fulls.copy_out(self._segments(pending, dtype), dtype)
-                _free_gathered(pending, self.device)
+                    # the flat all-gather's output as ``(world_size, segment)`` rows (decoded by an extension)
+                    segment_numel = self.shards.layout.segment_numel
+                    transform = self.extensions.all_gather
+                    if pending.encoded and transform is not None:
+                        decoded = transform.decode(pending.output.view(self.world_size, -1), dtype)
+                        self.fulls.copy_out(decoded[:, :segment_numel], dtype)
+                    else:
+                        self.fulls.copy_out(pending.output.view(self.world_size, segment_numel), dtype)
+                if pending.collective and self.device.type == "cpu":
+                    # gloo's worker thread keeps its reference to a finished collective's tensors until it gets
+                    # around to dropping the work, after ``Work.wait`` has returned, so dropping ours would free the
+                    # buffer some time later, while the next unit may already be computing (a block-sized buffer
+                    # more at a step's peak, in some steps only): its storage is released now. On an accelerator the
+                    # compute stream's ordering rule frees it (collectives.py), which a resize would bypass.
+                    pending.output.untyped_storage().resize_(0)
                 self.fulls.register(dtype)
             self._to(UnitState.UNSHARDED)
-
-    def _segments(self, pending: _PendingGather, dtype: torch.dtype) -> torch.Tensor:
-        """The flat all-gather's output as ``(world_size, segment)`` rows (decoded by an extension)."""
-        segment_numel = self.shards.layout.segment_numel
-        transform = self.extensions.all_gather
-        if pending.encoded and transform is not None:
-            segments = transform.decode(pending.output.view(self.world_size, -1), dtype)
-            return segments[:, :segment_numel]
-        return pending.output.view(self.world_size, segment_numel)
 
     # ------------------------------------------------------------------ free
     def reshard(self) -> None:

@@ -37,18 +37,31 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .collectives import Work, all_reduce, labelled, reduce_scatter_flat
 from .delivery import GradientDelivery, ReduceSpec, RowsLayout
-from .flat import ManagedParam, local_grad
+from .flat import ManagedParam
 from .sharding import FlatLayout, chunk_rows, write_grad_into_segments
 from .transitions import internal_error, transition_error
 
+if TYPE_CHECKING:
+    from .meshes import DataParallelMesh
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["GradState", "ReduceScatterInput", "ReduceSpec", "UnitGradients", "divide_factors", "gradient_node"]
+__all__ = [
+    "GradState",
+    "ReduceScatterInput",
+    "ReduceSpec",
+    "UnitGradients",
+    "divide_factors",
+    "gradient_node",
+    "local_grad",
+]
 
 
 def gradient_node(tensor: torch.Tensor) -> torch.autograd.graph.Node | None:
@@ -60,6 +73,24 @@ def gradient_node(tensor: torch.Tensor) -> torch.autograd.graph.Node | None:
     with torch.enable_grad():
         view = tensor.view_as(tensor)
     return view.grad_fn.next_functions[0][0] if view.grad_fn is not None else None
+
+
+def local_grad(mp: ManagedParam) -> torch.Tensor | None:
+    """The full parameter's gradient as the tensor FSDP shards: the TP-local gradient of a TP parameter."""
+    if mp.full is None or mp.full.grad is None:
+        return None
+    grad = mp.full.grad
+    if isinstance(grad, DTensor):
+        # On data-parallel dims (dp_mesh_dims) the local gradient is this rank's contribution whatever its placement
+        # (Partial, typically): the reduce-scatter sums it, so only the TP dims are redistributed.
+        dp_dims = mp.placing.dp_dims
+        target = tuple(
+            grad.placements[i] if i in dp_dims else placement for i, placement in enumerate(mp.placing.tp_placements)
+        )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(grad.device_mesh, target)
+        return grad.to_local()
+    return grad
 
 
 class GradState(enum.Enum):
@@ -140,13 +171,6 @@ class ReduceScatterInput:
             strides[dim] = strides[dim + 1] * size[dim + 1]
         return size, tuple(strides), slot.offset
 
-    def new_layout(self, *, zero_unused: bool) -> bool:
-        """Does a new window's buffer get flag columns? Only where the backward could not promise gradients."""
-        return self.flags_needed and not zero_unused
-
-    def choose_layout(self, *, zero_unused: bool) -> None:
-        self.flagged = self.new_layout(zero_unused=zero_unused)
-
     def new_buffer(self) -> torch.Tensor:
         spec = self.spec
         buffer = torch.empty(
@@ -202,13 +226,14 @@ class ReduceScatterInput:
                 buffer[:, segment + self.column[id(mp)]].zero_()
             self.written.add(id(mp))  # its region now holds a (zero) gradient: later writes add to it
 
-    def stage_all(self, pre: float, *, zero_unused: bool | None) -> bool:
+    def stage_all(self, pre: float, *, flagged: bool) -> bool:
         """The common case in one op: nothing accumulated and every trainable parameter has its gradient here.
 
         ``torch._chunk_cat`` chunks each gradient on dim 0 into ``world_size`` padded chunks and lays chunk ``r`` of
         every gradient end to end in row ``r``: exactly the reduce-scatter layout, padding zeroed, cast to the reduce
         dtype in the same pass. A block of ones fills the flag columns, 0-dim gradients their columns.
-        Returns False (nothing written) when the case does not apply.
+        ``flagged``: the buffer carries them (``UnitGradients.next_layout``). Returns False (nothing written) when the
+        case does not apply.
         """
         spec = self.spec
         world_size = spec.dp.shard_size
@@ -217,22 +242,23 @@ class ReduceScatterInput:
                 return False  # _chunk_cat chunks dim 0; a Shard(k) parameter's chunks are along k
         grads: list[torch.Tensor] = []
         scalars: list[torch.Tensor] = []
+        dtypes: set[torch.dtype] = set()
         for mp in self.trainable:
             grad = local_grad(mp)
             if grad is None:
                 return False
             if id(mp) in self.scalar:
                 scalars.append(grad.reshape(1, 1).expand(world_size, 1))
+                dtypes.add(grad.dtype)
             elif grad.numel() > 0:
                 grads.append(grad)
-        dtypes = {grad.dtype for grad in grads + scalars}
+                dtypes.add(grad.dtype)
         if len(dtypes) != 1:
             return False  # one dtype in, however many out: _chunk_cat casts only to its output's dtype
         dtype = dtypes.pop()
         if pre != 1.0 and dtype != spec.reduce_dtype:
             return False  # the per-parameter path divides before the cast (bit-identical results either way)
-        if zero_unused is not None:  # None: keep the layout of the partial sums held
-            self.choose_layout(zero_unused=zero_unused)
+        self.flagged = flagged
         buffer = torch.empty(
             world_size,
             self.layout.segment_numel + self.rows.tail(self.flagged),
@@ -273,15 +299,6 @@ class ReduceScatterInput:
         full = mp.full
         node = self.accumulators.get(id(full)) if full is not None else None
         return node is not None and bool(torch._C._will_engine_execute_node(node))
-
-    def take(self) -> torch.Tensor:
-        """The staged buffer, handed to the reduce-scatter (this side forgets it)."""
-        buffer = self.buffer
-        if buffer is None:
-            raise internal_error(f"unit {self.spec.owner_name}", "buffer is missing")
-        self.buffer = None
-        self.locally_seen = set()
-        return buffer
 
 
 class UnitGradients:
@@ -326,13 +343,6 @@ class UnitGradients:
         self.delivery.layout = self.input.rows
 
     @property
-    def layout(self) -> FlatLayout:
-        return self.input.layout
-
-    def tail(self, flagged: bool) -> int:
-        return self.input.rows.tail(flagged)
-
-    @property
     def buffer(self) -> torch.Tensor | None:
         """ACCUMULATING / STAGED: the reduce-scatter input being filled."""
         return self.input.buffer
@@ -345,20 +355,13 @@ class UnitGradients:
         return self.input.flagged
 
     def next_layout(self) -> bool:
-        """Does this unit's next reduce-scatter carry flag columns?"""
+        """Does this unit's next reduce-scatter carry flag columns? The layout held, else (a new window's buffer)
+        only where the backward could not promise gradients."""
         held = self.held_layout()
-        return self.input.new_layout(zero_unused=self.zero_unused) if held is None else held
+        return self.input.flags_needed and not self.zero_unused if held is None else held
 
     def has_pending(self) -> bool:
         return self.state is not GradState.IDLE or self.replica_partial is not None
-
-    def _divisors(self) -> tuple[float, float]:
-        # The data-parallel size as the groups report it now, not as the mesh had it at fully_shard: a replicate
-        # group whose size follows the live replicas (torchft) is averaged over those, as torch's fully_shard does.
-        return divide_factors(self.spec.dp.size_now(), self.divide_factor, self.spec.reduce_dtype)
-
-    def _pre_divisor(self) -> float:
-        return self._divisors()[0]
 
     # ------------------------------------------------------------------ filling the buffer
     def capture(self, mp: ManagedParam) -> None:
@@ -368,7 +371,7 @@ class UnitGradients:
         (or added) into the unit's buffer in the reduce-scatter layout as soon as autograd produced it, and freed, so
         the unit never holds all its full gradients next to the accumulation buffer.
         """
-        if self.buffer is None and not self.accumulating:
+        if self.input.buffer is None and not self.accumulating:
             # A plain synced step: allocating the buffer at the first gradient would keep it alive for the rest of
             # the unit's backward (for the root, whose head gradient comes first, all of backward); stage() moves
             # the gradients at post-backward instead.
@@ -378,12 +381,12 @@ class UnitGradients:
         grad = local_grad(mp)
         if grad is None or id(mp) not in self.input.column:
             return
-        self._write_one(mp, grad, self._pre_divisor())
+        pre, _ = divide_factors(self.spec.dp, self.divide_factor, self.spec.reduce_dtype)
+        self._write_one(mp, grad, pre)
 
     def _buffer_for_writing(self) -> None:
         if self.input.buffer is None:
-            if self.replica_partial is None:  # HSDP partial sums held fix the layout until delivered
-                self.input.choose_layout(zero_unused=self.zero_unused)
+            self.input.flagged = self.next_layout()  # HSDP partial sums held fix it until delivered
             self.input.new_buffer()
             self._to(GradState.ACCUMULATING)
 
@@ -393,7 +396,7 @@ class UnitGradients:
 
     def _flush(self) -> None:
         """Move gradients the hook did not see into the buffer (all of them in a plain synced step)."""
-        pre = self._pre_divisor()
+        pre, _ = divide_factors(self.spec.dp, self.divide_factor, self.spec.reduce_dtype)
         for mp in self.trainable:
             grad = local_grad(mp)
             if grad is not None:
@@ -412,8 +415,8 @@ class UnitGradients:
         if self.state in (GradState.REDUCE_SCATTERING, GradState.ALL_REDUCING):
             self.finish()  # a second use of the unit in one backward: its first reduction completes first
         if self.state is GradState.IDLE:
-            layout = None if self.replica_partial is not None else self.zero_unused  # partial sums fix the layout
-            if self.input.stage_all(self._pre_divisor(), zero_unused=layout):
+            pre, _ = divide_factors(self.spec.dp, self.divide_factor, self.spec.reduce_dtype)
+            if self.input.stage_all(pre, flagged=self.next_layout()):
                 self._to(GradState.STAGED)
                 return
         self._flush()
@@ -436,10 +439,14 @@ class UnitGradients:
         flagged = self.input.flagged
         # Reading the flags costs a device sync, so only a rank that lacked a gradient itself reads them.
         missing_locally = len(self.input.locally_seen) < len(self.trainable)
-        buffer = self.input.take()
+        buffer = self.input.buffer  # handed to the reduce-scatter: the input side forgets it
+        if buffer is None:
+            raise internal_error(f"unit {self.spec.owner_name}", "buffer is missing")
+        self.input.buffer = None
+        self.input.locally_seen = set()
         spec = self.spec
         output = torch.empty(
-            self.layout.segment_numel + self.tail(flagged), dtype=spec.reduce_dtype, device=spec.device
+            self.input.layout.segment_numel + self.input.rows.tail(flagged), dtype=spec.reduce_dtype, device=spec.device
         )
         hook = spec.extensions.reduce_scatter
         work: Work | None = None
@@ -521,7 +528,7 @@ class UnitGradients:
         self._to(GradState.IDLE)
         if self.dropping:
             return
-        _, post = self._divisors()
+        _, post = divide_factors(self.spec.dp, self.divide_factor, self.spec.reduce_dtype)
         with labelled(f"fsdp_compose::deliver_gradients[{self.spec.owner_name}]"):
             self.delivery.deliver(
                 flight.output,
@@ -531,20 +538,11 @@ class UnitGradients:
                 synchronising=flight.synchronising,
             )
 
-    def settle(self) -> None:
-        """Hand out the rows waiting for a device-to-host copy (the final callback: the host's one wait)."""
-        self.delivery.settle()
-
     # ------------------------------------------------------------------ gradients held between steps
-    def mark_held(self) -> None:
-        """Gradients stay held here past this backward (no-sync): make ``.grad`` tell if the user drops them."""
-        if self.has_pending():
-            self.delivery.mark_held()
-
     def drop_if_user_zeroed(self) -> bool:
         """Drop the held gradients when the user zeroed the sharded ``.grad`` since ``mark_held``; True if dropped."""
         if not self.has_pending():
-            self.delivery.forget_marks()
+            self.delivery.marks = {}  # what they marked was delivered
             return False
         if not self.delivery.user_zeroed():
             return False
@@ -558,7 +556,7 @@ class UnitGradients:
         except in a failed step (``dropping``): rows of it still waiting for their copy are its partial gradients."""
         if self.dropping:
             self.delivery.drop_pending()
-        self.settle()
+        self.delivery.settle()
         flight = self.flight
         if flight is not None:
             self._wait_reduce_scatter(flight)
@@ -569,18 +567,25 @@ class UnitGradients:
         self.replica_partial = None
         self.input.written = set()
         self.input.locally_seen = set()
-        self.delivery.forget_marks()
+        self.delivery.marks = {}
         self.dropping = False
         self.state = GradState.IDLE
 
 
-def divide_factors(world_size: int, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
+def divide_factors(dp: DataParallelMesh, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
     """(pre, post) divisors whose product is the divide factor (default: the data-parallel size, replicas included).
+
+    The data-parallel size is asked now, not taken from the mesh at ``fully_shard``: the shard size times the
+    replicate group's current ``size()``. For c10d's groups that is the mesh's replicate size; a group that changes
+    size (torchft's managed group: the live replicas) is asked at each reduction, as torch's ``fully_shard`` does (it
+    asks the group for AVG or divides by its ``size()`` there). A size below 1 (torchft before any quorum) counts as 1.
 
     fp16 has a small range: the sum over ``world_size`` ranks of in-range values can overflow, so for fp16 every rank
     pre-divides by ``world_size`` (the sum of the quotients is then an average, in range whenever the inputs are) and
     the rest of the factor is applied after. Other dtypes have fp32's range: one post-division is the most accurate.
     """
+    replicas = dp.replicate_group
+    world_size = dp.shard_size if replicas is None else dp.shard_size * max(1, replicas.size())
     total = float(world_size if divide_factor is None else divide_factor)
     if reduce_dtype != torch.float16 or world_size <= 1:
         return 1.0, total

@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -55,15 +55,13 @@ __all__ = [
     "cast_inputs",
     "cast_outputs",
     "check_backward_reads_none_of",
-    "check_not_compiled_autograd",
-    "in_backward",
+    "compiled_autograd_error",
     "lazy_init",
     "map_tensors",
     "post_forward",
     "pre_forward",
     "register_hooks",
     "tensors_in",
-    "unique_tensors",
 ]
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
@@ -99,7 +97,7 @@ def pre_forward(
     with labelled(f"fsdp_compose::pre_forward[{state.unit.owner_name}]"):
         record = state.record
         step = state.ctx
-        if in_backward():
+        if torch._C._current_graph_task_id() != -1:
             # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
             # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
             walk = step.backward if isinstance(step, StepContext) else None
@@ -118,7 +116,7 @@ def pre_forward(
             return args, kwargs
         if state.root is None:
             step = lazy_init(state)
-        if isinstance(step, StepContext) and state.is_root and record.active == 0:
+        if isinstance(step, StepContext) and state.root is state and record.active == 0:
             args, kwargs = step.begin_forward(args, kwargs)
         compute_dtype = state.compute_dtype(module)
         if not record.opened or id(module) not in record.pending_modules:
@@ -144,22 +142,24 @@ def _open(state: ShardState, module: nn.Module, compute_dtype: torch.dtype) -> N
     stale = unit.gather.state is UnitState.UNSHARDED and unit.is_stale()
     if unit.gather.state is not UnitState.SHARDED and (stale or unit.gather.compute_dtype != compute_dtype):
         unit.gather.reshard()
+    if unit.gather.state is UnitState.SHARDED and state.params_changed():
+        unit.adopt_if_changed()  # a forward outside its root's: nothing else looked since the user's change
     unit.gather.explicit = False  # an fc.unshard issued before this forward is consumed here
     unit.grads.accumulating = not state.reduces_now
     record.kept_unsharded = False
-    unit.start_unshard(compute_dtype, async_op=False, stream=state.gather_stream)
+    unit.gather.start(compute_dtype, async_op=False, stream=state.ctx.gather_stream if state.ctx is not None else None)
     unit.gather.finish()
     unit.grads.input.note_accumulators()
     record.opened = True
     record.entered = True
     record.opening_needs_backward = False
-    record.pending_modules = {id(m) for m in state.modules}
+    record.pending_modules = set(map(id, state.modules))
     step = state.ctx
     if isinstance(step, StepContext) and step.backward is None:
         if state.forward_prefetch is not None:
             targets = state.forward_prefetch
         else:
-            following = step.next_in_schedule(state)
+            following = step.schedule.next_after(state)
             targets = [] if following is None else [following]
         for target in targets:
             if not target.record.opened:
@@ -171,10 +171,10 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
     """Also runs when forward raised (``always_call``): ``output`` is then None and the call just ends."""
     with labelled(f"fsdp_compose::post_forward[{state.unit.owner_name}]"):
         output = cast_outputs(state, module, output)
-        if in_backward():
+        if torch._C._current_graph_task_id() != -1:
             return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
         record = state.record
-        step = state.ctx if state.is_root else None
+        step = state.ctx if state.root is state else None
         calls = record.calls.get(id(module))
         if not calls or record.active == 0:
             if isinstance(step, StepContext) and output is None and record.active == 0:
@@ -182,21 +182,23 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
             return output  # its pre-forward did not run (e.g. it raised before)
         entry = calls.pop()
         record.active -= 1
-        found = tensors_in(output) if torch.is_grad_enabled() else []
+        grad_enabled = torch.is_grad_enabled()
         if torch._C._are_functorch_transforms_active():
             # Inside torch.func.jvp / vmap / grad an autograd Function without setup_context raises, also on plain
             # outputs (a unit called on a tensor captured from outside the transform): hook them instead.
-            return _hook_transformed_outputs(state, found, entry, output)
-        needing = unique_tensors(t for t in found if t.requires_grad)
+            return _hook_transformed_outputs(state, tensors_in(output) if grad_enabled else [], entry, output)
+        needing = tensors_in(output, requiring_grad=True) if grad_enabled else []
         if needing:
             # One node per output (why: ForwardCall): an output the loss ignores leaves the unit out of the graph.
-            hooked = [_PreBackward.apply(state, t) for t in needing]
-            entry.pre = [weakref.ref(t.grad_fn) for t in hooked]
-            replacement = {id(old): new for old, new in zip(needing, hooked, strict=True)}
+            replacement: dict[int, torch.Tensor] = {}
+            for tensor in needing:
+                hooked = _PreBackward.apply(state, tensor)
+                entry.pre.append(weakref.ref(hooked.grad_fn))
+                replacement[id(tensor)] = hooked
             output = map_tensors(lambda t: replacement.get(id(t), t), output)
             record.entries.append(entry)
             record.opening_needs_backward = True
-        elif entry.inputs is not None and not found:
+        elif entry.inputs is not None and not (grad_enabled and tensors_in(output)):
             record.entries.append(entry)  # recomputed in backward (reentrant checkpoint): resharded until then
         if record.active == 0 and not record.pending_modules:
             close_unit(state)
@@ -209,7 +211,9 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
 @_outside_compile
 def pre_backward(state: ShardState, node: object = None) -> None:
     with labelled(f"fsdp_compose::pre_backward[{state.unit.owner_name}]"):
-        check_not_compiled_autograd(state.unit.owner_name)
+        compiled_autograd = torch._dynamo.compiled_autograd
+        if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
+            raise compiled_autograd_error(state.unit.owner_name)  # before the unit issues any collective of it
         step = state.ctx
         if not isinstance(step, StepContext):
             state.gather_now()
@@ -285,7 +289,10 @@ class _PostBackward(torch.autograd.Function):
     def forward(ctx: Any, state: ShardState, entry: ForwardCall, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
         ctx.entry = entry
-        return tuple(t.detach() for t in inputs)
+        detached = []
+        for tensor in inputs:
+            detached.append(tensor.detach())
+        return tuple(detached)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -301,20 +308,23 @@ def _wrap_inputs(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``per_input=False``: one node over all inputs (a reentrant checkpoint's recompute, which begins after the
     backward asked which nodes it runs: its one node ends the call)."""
-    needing = unique_tensors(t for t in tensors_in((args, kwargs)) if t.requires_grad)
+    needing = tensors_in((args, kwargs), requiring_grad=True)
     if not needing or torch._C._are_functorch_transforms_active():
         # Nothing to hook, or a torch.func transform is active: an autograd Function without setup_context raises
         # there, on the transform's own wrapped inputs and on plain ones captured from outside it alike. The final
         # callback finishes this call.
         return args, kwargs
     if per_input:  # one node per input (why: ForwardCall)
-        wrapped = [_PostBackward.apply(state, entry, t)[0] for t in needing]
-        entry.post = [weakref.ref(t.grad_fn) for t in wrapped]
+        wrapped = []
+        for tensor in needing:
+            node_output = _PostBackward.apply(state, entry, tensor)[0]
+            entry.post.append(weakref.ref(node_output.grad_fn))
+            wrapped.append(node_output)
     else:
         wrapped = list(_PostBackward.apply(state, entry, *needing))
         entry.post = [weakref.ref(wrapped[0].grad_fn)]
     entry.posts_left = len(entry.post)  # until a backward asks which of them it runs
-    replacement = {id(old): new for old, new in zip(needing, wrapped, strict=True)}
+    replacement = dict(zip(map(id, needing), wrapped, strict=True))
     new_args, new_kwargs = map_tensors(lambda t: replacement.get(id(t), t), (args, kwargs))
     return new_args, new_kwargs
 
@@ -322,7 +332,7 @@ def _wrap_inputs(
 def _note_recomputable(state: ShardState, entry: ForwardCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A call under no_grad inside a forward with grad may be a reentrant checkpoint's forward (or run inside one):
     keep its inputs that need grad (weakly), or else the root's call it runs in."""
-    needing = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+    needing = tensors_in((args, kwargs), requiring_grad=True)
     if needing:
         entry.inputs = [weakref.ref(t) for t in needing]
         return
@@ -340,7 +350,7 @@ def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entr
     outputs themselves when they are plain, computed from tensors captured from outside the transform) get tensor
     hooks, and the call counts as run by every backward until one runs (its reach cannot be asked)."""
     record = state.record
-    plain = unique_tensors(p for t in found for p in autograd_tensors(t) if p.requires_grad)
+    plain = tensors_in([p for t in found for p in autograd_tensors(t)], requiring_grad=True)
     if plain:
         entry.always = True
         for tensor in plain:
@@ -349,7 +359,7 @@ def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entr
         record.opening_needs_backward = True
     if record.active == 0 and not record.pending_modules:
         close_unit(state)
-    if isinstance(state.ctx, StepContext) and state.is_root and record.active == 0:
+    if isinstance(state.ctx, StepContext) and state.root is state and record.active == 0:
         state.ctx.end_forward()
     return output
 
@@ -382,7 +392,7 @@ def cast_outputs(state: ShardState, module: nn.Module, output: Any) -> Any:
     if state.record.full_precision_now:
         return output
     dtype = state.mp_policy.output_dtype
-    if dtype is None and incoming is not None and not state.is_root:
+    if dtype is None and incoming is not None and state.root is not state:
         dtype = incoming
     if dtype is None:
         return output
@@ -390,25 +400,18 @@ def cast_outputs(state: ShardState, module: nn.Module, output: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- what the hooks ask autograd
-def in_backward() -> bool:
-    """True while autograd runs a backward on this thread (e.g. an activation-checkpoint recompute)."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
-def check_not_compiled_autograd(owner: str) -> None:
-    """Raise when this backward runs under compiled autograd, before the unit issues any collective of it.
+def compiled_autograd_error(owner: str) -> RuntimeError:
+    """The error of a backward that runs under compiled autograd (checked at every pre-backward).
 
     Compiled autograd captures the backward graph, hooks included, and replays it: the units' backward hooks keep
     per-step state and issue collectives, and trained with wrong gradients when replayed that way (measured, for
     torch's own ``fully_shard`` too). Compiling the blocks' forward still compiles their backward (AOTAutograd).
     """
-    compiled_autograd = torch._dynamo.compiled_autograd
-    if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
-        raise RuntimeError(
-            f"{owner}: backward runs under compiled autograd (torch._dynamo.config.compiled_autograd), which "
-            "fsdp_compose does not support: its backward hooks must run in eager autograd. Turn compiled autograd "
-            "off; torch.compile of the blocks still compiles their backward (see docs/compile.md)"
-        )
+    return RuntimeError(
+        f"{owner}: backward runs under compiled autograd (torch._dynamo.config.compiled_autograd), which "
+        "fsdp_compose does not support: its backward hooks must run in eager autograd. Turn compiled autograd "
+        "off; torch.compile of the blocks still compiles their backward (see docs/compile.md)"
+    )
 
 
 def check_backward_reads_none_of(owner: str, node: object, params: Sequence[ManagedParam]) -> None:
@@ -442,16 +445,6 @@ def check_backward_reads_none_of(owner: str, node: object, params: Sequence[Mana
         stack.extend(n for n, _ in current.next_functions if n is not None)
 
 
-def unique_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    found = []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            found.append(t)
-    return found
-
-
 def autograd_tensors(output: torch.Tensor) -> list[torch.Tensor]:
     """The tensors of an output that backward reaches: the output itself, or inside a torch.func transform (``jvp``)
     the plain tensors under its wrapper, the primal and the tangent. The tangent's backward reads the unit's full
@@ -476,17 +469,28 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    """Every tensor in a module's inputs or outputs, whatever holds them: ``torch.utils._pytree`` knows tuples, lists,
-    dicts and namedtuples; module outputs are also dataclasses (torch's own FSDP tests return them, as do many model
-    libraries), and a unit must see every tensor of its outputs to hook its backward."""
+def tensors_in(value: Any, *, requiring_grad: bool = False) -> list[torch.Tensor]:
+    """Every tensor in a module's inputs or outputs, once each, in order (``requiring_grad``: those that require
+    grad), whatever holds them: ``torch.utils._pytree`` knows tuples, lists, dicts and namedtuples; module outputs are
+    also dataclasses (torch's own FSDP tests return them, as do many model libraries), and a unit must see every
+    tensor of its outputs to hook its backward."""
     found: list[torch.Tensor] = []
-
-    def note(tensor: torch.Tensor) -> torch.Tensor:
-        found.append(tensor)
-        return tensor
-
-    map_tensors(note, value)
+    seen: set[int] = set()
+    stack = [value]
+    while stack:  # depth first, in order: what is pushed last is visited first
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if id(item) not in seen and (item.requires_grad or not requiring_grad):
+                seen.add(id(item))
+                found.append(item)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            for f in reversed(dataclasses.fields(item)):
+                if f.init:
+                    stack.append(getattr(item, f.name))
+        else:
+            leaves, _ = tree_flatten(item)
+            if len(leaves) != 1 or leaves[0] is not item:  # else a leaf that is no tensor
+                stack.extend(reversed(leaves))
     return found
 
 
@@ -507,7 +511,10 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
     leaves, spec = tree_flatten(value)
     if len(leaves) == 1 and leaves[0] is value:
         return value  # a leaf that is no tensor
-    new_leaves = [map_tensors(fn, leaf) for leaf in leaves]
-    if all(a is b for a, b in zip(new_leaves, leaves, strict=True)):
-        return value
-    return tree_unflatten(new_leaves, spec)
+    new_leaves = []
+    changed = False
+    for leaf in leaves:
+        new = fn(leaf) if isinstance(leaf, torch.Tensor) else map_tensors(fn, leaf)
+        changed = changed or new is not leaf
+        new_leaves.append(new)
+    return tree_unflatten(new_leaves, spec) if changed else value

@@ -247,8 +247,9 @@ def is_c10d_group(group: dist.ProcessGroup) -> bool:
 class DataParallelMesh:
     """The data-parallel mesh's roles: the shard group (gathers, reduce-scatters) and the optional replicate group.
 
-    ``replicate_size`` is the mesh's replicate dim, fixed at ``fully_shard``; ``size_now()`` asks the replicate group
-    at the time of the reduction (a torchft group's size is the number of replicas in this step's quorum)."""
+    ``replicate_size`` is the mesh's replicate dim, fixed at ``fully_shard``; ``grads.divide_factors`` asks the
+    replicate group at the time of the reduction (a torchft group's size is the number of replicas in this step's
+    quorum)."""
 
     mesh: DeviceMesh
     shard_group: dist.ProcessGroup
@@ -274,15 +275,6 @@ class DataParallelMesh:
     def size(self) -> int:
         """All data-parallel ranks of the mesh: replicate x shard."""
         return self.shard_size * self.replicate_size
-
-    def size_now(self) -> int:
-        """The ranks gradients are averaged over by default, asked now: the shard size times the replicate group's
-        current ``size()``. For c10d's groups that is ``size``; a group that changes size (torchft's managed group:
-        the live replicas) is asked at each reduction, as torch's ``fully_shard`` does (it asks the group for AVG or
-        divides by its ``size()`` there). A size below 1 (torchft before any quorum) counts as 1."""
-        if self.replicate_group is None:
-            return self.shard_size
-        return self.shard_size * max(1, self.replicate_group.size())
 
     @property
     def agreement_groups(self) -> list[dist.ProcessGroup]:

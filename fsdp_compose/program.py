@@ -125,13 +125,11 @@ class StepSchedule:
         self.gather_order: list[ShardState] = [root, *reversed(others)]
         # The root last: its own parameters (embeddings) get their gradients last.
         self.reduce_order: list[ShardState] = [*reversed(others), root]
-
-    def parameter_count(self) -> int:
-        """Parameters of all units (trainable or not: the count every rank has, whatever it froze)."""
-        count = 0
-        for scheduled in self.units:
-            count += len(scheduled.state.unit.shards.params)
-        return count
+        # Parameters of all units (trainable or not: the count every rank has, whatever it froze). Fixed: a unit's
+        # parameters are moved (a tie) only by fully_shard, before the root's lazy init makes its schedule.
+        self.parameters = 0
+        for state in states:
+            self.parameters += len(state.unit.shards.params)
 
     @property
     def states(self) -> list[ShardState]:
@@ -210,7 +208,9 @@ class Program:
     def check_done(self, where: Callable[[ShardState | None], str]) -> None:
         """The end of the backward: every operation of the program must have been issued (``where``: the rank and
         the step's position, asked only for the error)."""
-        left = [str(op) for name, ops in self.channels.items() for op in ops[self.issued.get(name, 0) :]]
+        left: list[str] = []
+        for name, ops in self.channels.items():
+            left += map(str, ops[self.issued.get(name, 0) :])
         if left:
             raise RuntimeError(
                 f"internal error in fsdp_compose: {where(None)}: the backward ended with operations of its program "
@@ -237,15 +237,6 @@ class Program:
         )
 
 
-def control_group(group: dist.ProcessGroup | None) -> tuple[str, int] | None:
-    """The agreement's group as a program names it."""
-    return None if group is None else (_name(group), group.size())
-
-
-def _name(group: dist.ProcessGroup | None) -> str:
-    return "" if group is None else str(group.group_name)
-
-
 def gathers(state: ShardState) -> bool:
     """Does the unit's gather move anything between ranks (the flat segment, or its protocol parameters)?"""
     unit = state.unit
@@ -264,26 +255,22 @@ def gathers_in_backward(state: ShardState, *, live: bool, is_root: bool = False)
     return unit.gather.needs_gather or unit.gather.compute_dtype != state.compute_dtype(state.modules[0])
 
 
-def _gather_numel(state: ShardState) -> int | None:
-    unit = state.unit
-    if not unit.shards.uniform or unit.extensions.all_gather is not None:
-        return None  # sized by the gather plan, or by an extension's encode
-    return unit.world_size * unit.shards.layout.segment_numel
-
-
 def _gather(state: ShardState, name: str, phase: str, *, post_forward: bool) -> Operation:
     unit = state.unit
     group = (
         unit.gather.post_forward.group if post_forward and unit.gather.post_forward is not None else unit.dp.shard_group
     )
+    numel = None  # sized by the gather plan, or by an extension's encode
+    if unit.shards.uniform and unit.extensions.all_gather is None:
+        numel = unit.world_size * unit.shards.layout.segment_numel
     return Operation(
         "all_gather",
         name,
         phase,
-        _name(group),
+        str(group.group_name),
         group.size(),
         state.compute_dtype(state.modules[0]),
-        _gather_numel(state),
+        numel,
         id(state),
     )
 
@@ -296,22 +283,6 @@ def forward_program(schedule: StepSchedule) -> Program:
         if gathers(scheduled.state):
             program.add(_gather(scheduled.state, scheduled.name, "forward", post_forward=False))
     return program
-
-
-def backward_gather_order(schedule: StepSchedule, participants: list[ShardState]) -> list[ShardState]:
-    """The order the gather cursor and its prefetches reach the participants: the schedule's gather order, each
-    unit followed by its explicit ``fc.set_modules_to_backward_prefetch`` targets not reached yet."""
-    taking_part = {id(s) for s in participants}
-    reached: list[ShardState] = []
-    seen: set[int] = set()
-    for state in schedule.gather_order:
-        if id(state) not in taking_part:
-            continue
-        for target in [state, *(state.backward_prefetch or [])]:
-            if id(target) in taking_part and id(target) not in seen and (target is state or target.unshard_in_backward):
-                seen.add(id(target))
-                reached.append(target)
-    return reached
 
 
 def backward_program(
@@ -332,7 +303,7 @@ def backward_program(
     program = Program()
     control_ops: list[Operation] = []
     if control is not None:
-        parameters = schedule.parameter_count()
+        parameters = schedule.parameters
         group, world = control
         root = schedule.names[id(schedule.root)]
         agreement = 2 * len(schedule.units) + parameters + world + 2
@@ -344,12 +315,23 @@ def backward_program(
         if live:
             program.issued[group] = 1  # the agreement went out before its answer could compile this program
     names = schedule.names
-    for state in backward_gather_order(schedule, participants):
-        if gathers_in_backward(state, live=live, is_root=state is schedule.root):
-            unit = state.unit
-            grouped = unit.gather.state is UnitState.GROUP_SHARDED if live else unit.gather.post_forward is not None
-            program.add(_gather(state, names[id(state)], "backward", post_forward=grouped))
-    taking_part = {id(s) for s in participants}
+    taking_part = set(map(id, participants))
+    # The order the gather cursor and its prefetches reach the participants: the schedule's gather order, each unit
+    # followed by its explicit ``fc.set_modules_to_backward_prefetch`` targets not reached yet.
+    reached: set[int] = set()
+    for state in schedule.gather_order:
+        if id(state) not in taking_part:
+            continue
+        for target in [state, *(state.backward_prefetch or [])]:
+            if id(target) not in taking_part or id(target) in reached:
+                continue
+            if target is not state and not target.unshard_in_backward:
+                continue
+            reached.add(id(target))
+            if gathers_in_backward(target, live=live, is_root=target is schedule.root):
+                gather = target.unit.gather
+                grouped = gather.state is UnitState.GROUP_SHARDED if live else gather.post_forward is not None
+                program.add(_gather(target, names[id(target)], "backward", post_forward=grouped))
     for state in schedule.reduce_order:
         if id(state) not in taking_part:
             continue
@@ -376,7 +358,7 @@ def reductions(state: ShardState, name: str, *, flagged: bool) -> list[Operation
                 "reduce_scatter",
                 name,
                 "backward",
-                _name(group),
+                str(group.group_name),
                 group.size(),
                 spec.reduce_dtype,
                 width * unit.world_size,
@@ -387,7 +369,14 @@ def reductions(state: ShardState, name: str, *, flagged: bool) -> list[Operation
     if replicas is not None and state.requires_all_reduce:
         found.append(
             Operation(
-                "all_reduce", name, "backward", _name(replicas), replicas.size(), spec.reduce_dtype, width, id(state)
+                "all_reduce",
+                name,
+                "backward",
+                str(replicas.group_name),
+                replicas.size(),
+                spec.reduce_dtype,
+                width,
+                id(state),
             )
         )
     return found
@@ -478,16 +467,19 @@ class PendingAgreement:
         world = dist.get_world_size()
         masks = len(self.reached) + len(self.expected)
         n = masks + len(self.held)
-        quitting = [rank for rank in range(world) if result[n + rank]]
+        quitting = []
+        for rank in range(world):
+            if result[n + rank]:
+                quitting.append(rank)
         if self.checks and not quitting and result[n + world] != -result[n + world + 1]:
             raise RuntimeError(
                 f"fsdp_compose collective check: the ranks' collective schedules under {self.owner} differ at the "
                 "start of a backward (units, trainable parameters, sync or reshard settings); every rank must make "
                 "the same changes at the same step. fc.describe_schedule(model) on each rank shows what differs"
             )
-        participants = [bool(v) for v in result[: len(self.reached)]]
-        expected = [bool(v) for v in result[len(self.reached) : masks]]
-        return Agreement(participants, expected, quitting, [int(v) for v in result[masks:n]])
+        participants = list(map(bool, result[: len(self.reached)]))
+        expected = list(map(bool, result[len(self.reached) : masks]))
+        return Agreement(participants, expected, quitting, list(map(int, result[masks:n])))
 
 
 def start_agreement(
@@ -501,10 +493,10 @@ def start_agreement(
     held: list[int] | None = None,
 ) -> PendingAgreement:
     """Issue the all-reduce (MAX) of this rank's participation mask, the parameters it expects gradients for
-    (``expected``, one per ``parameter_count``; None: none), the layout it holds partial gradients in per unit
+    (``expected``, one per ``StepSchedule.parameters``; None: none), the layout it holds partial gradients in per unit
     (``held``, ``Agreement.held_layout``; None: none), whether it abandons the step, and (with collective checks) the
     schedule's fingerprint, over ``group`` (``agreement_group``). Nothing waits for it here."""
-    expected = expected if expected is not None else [False] * schedule.parameter_count()
+    expected = expected if expected is not None else [False] * schedule.parameters
     held = held if held is not None else [0] * len(schedule.units)
     owner = schedule.root.unit.owner_name
     if group is None:

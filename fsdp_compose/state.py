@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
@@ -130,31 +129,26 @@ class ForwardCall:
             return True
         if self.anchor is not None:
             return self.anchor.runs_in_this_backward(running)
-        nodes: Sequence[Node | None]
-        if self.inputs is not None:
-            nodes = [gradient_node(t) for t in (ref() for ref in self.inputs) if t is not None]
-        else:
-            nodes = self.pre_nodes()
         will_run = torch._C._will_engine_execute_node
-        for node in nodes:
+        if self.inputs is not None:
+            for input_ref in self.inputs:
+                tensor = input_ref()
+                input_node = None if tensor is None else gradient_node(tensor)
+                if input_node is not None and (input_node is running or will_run(input_node)):
+                    return True
+            return False
+        for ref in self.pre:  # the output nodes still alive (their graphs may run)
+            node = ref()
             if node is not None and (node is running or will_run(node)):
                 return True
         return False
 
-    def pre_nodes(self) -> list[Node]:
-        """The output nodes still alive (their graphs may run)."""
-        alive = []
-        for ref in self.pre:
-            node = ref()
-            if node is not None:
-                alive.append(node)
-        return alive
-
     def outputs_pending(self) -> bool:
         """Does an output of this call still await its backward? A backward that used some outputs only (``o1``'s
         now, ``o2``'s in a later backward) leaves the call to the later one."""
-        for node in self.pre_nodes():
-            if not getattr(node, "ran", False):
+        for ref in self.pre:
+            node = ref()
+            if node is not None and not getattr(node, "ran", False):
                 return True
         return False
 
@@ -162,9 +156,14 @@ class ForwardCall:
         """Will this backward end the call (run an input node)? Counts the input nodes it runs (``posts_left``)."""
         if self.inputs is not None:
             return True  # its recompute wraps the inputs it runs on
-        nodes = [node for node in (ref() for ref in self.post) if node is not None]
-        self.posts_left = sum(1 for node in nodes if torch._C._will_engine_execute_node(node))
-        return self.posts_left > 0
+        will_run = torch._C._will_engine_execute_node
+        runs = 0
+        for ref in self.post:
+            node = ref()
+            if node is not None and will_run(node):
+                runs += 1
+        self.posts_left = runs
+        return runs > 0
 
 
 class UnitStepRecord:
@@ -264,10 +263,6 @@ class ShardState:
 
     # ------------------------------------------------------------------ root and settings as they act
     @property
-    def is_root(self) -> bool:
-        return self.root is self
-
-    @property
     def reshard_after_forward(self) -> bool:
         return reshards_after_forward(self.reshard_after_forward_setting, is_root=self.root is self)
 
@@ -284,15 +279,13 @@ class ShardState:
         return self.requires_gradient_sync and (self.requires_all_reduce or not replicas)
 
     # ------------------------------------------------------------------ gathering
-    @property
-    def gather_stream(self) -> torch.Stream | None:
-        """The root's side stream for all-gather copy-in (None on a CPU device or before lazy init)."""
-        return self.ctx.gather_stream if self.ctx is not None else None
-
     def compute_dtype(self, module: nn.Module) -> torch.dtype:
+        """The dtype ``module`` computes in now: the policy's ``param_dtype``, else the parameters' own dtype (also
+        in eval under ``full_precision_in_eval``)."""
+        own = self.unit.shards.dtype
         if self.full_precision_in_eval and not module.training:
-            return self.unit.orig_dtype
-        return self.unit.param_dtype
+            return own
+        return self.mp_policy.param_dtype or own
 
     def start_gather(self, *, async_op: bool) -> None:
         """Issue this unit's all-gather in its compute dtype if it needs one (or is gathered in another dtype)."""
@@ -301,11 +294,34 @@ class ShardState:
         if gather.state is not UnitState.SHARDED and gather.compute_dtype != dtype:
             gather.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
         if gather.needs_gather:
-            self.unit.start_unshard(dtype, async_op=async_op, stream=self.gather_stream)
+            # on the root's side stream for all-gather copy-in (None on a CPU device or before lazy init)
+            gather.start(dtype, async_op=async_op, stream=self.ctx.gather_stream if self.ctx is not None else None)
 
     def gather_now(self) -> None:
         self.start_gather(async_op=False)
         self.unit.gather.finish()
+
+    def params_changed(self) -> bool:
+        """Did the user change a parameter of this unit since the last step: replace or cast it (the module holds
+        another object, or the sharded parameter no longer views the unit's flat buffer), flip its
+        ``requires_grad``, or attach FSDP2's all-gather hooks? One identity pass over the parameters at every step
+        start; what a change means is ``ShardedUnit.adopt_if_changed`` and ``refresh_trainable``."""
+        unit = self.unit
+        if unit.shards.defer_hookless:
+            return True
+        gathered = unit.gather.state is not UnitState.SHARDED
+        for mp in unit.shards.params:
+            module, name = mp.owners[0]
+            held: object = module._parameters.get(name)
+            full = mp.full
+            if gathered and full is not None and held is full:
+                if full.requires_grad != mp.trainable:
+                    return True
+            elif held is not mp.sharded or mp.sharded._local_tensor is not mp.local:
+                return True
+            elif mp.sharded.requires_grad != mp.trainable:
+                return True
+        return False
 
     # ------------------------------------------------------------------ gradients
     def gradient_made(self, mp: ManagedParam) -> None:
@@ -319,7 +335,7 @@ class ShardState:
 
     def __repr__(self) -> str:
         modules = ", ".join(type(m).__name__ for m in self.modules)
-        root = None if self.root is None else self.is_root  # None: decided at the first forward
+        root = None if self.root is None else self.root is self  # None: decided at the first forward
         phase = "forward" if self.record.active else "awaiting_backward" if self.record.entries else "idle"
         return f"ShardState([{modules}], root={root}, phase={phase}, unit={self.unit!r})"
 

@@ -34,7 +34,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import Node
 from torch.utils._pytree import tree_map
 
-from .backward import BackwardWalk, graph_task
+from .backward import BackwardWalk
 from .checks import check_ranks_agree
 from .collectives import labelled, side_stream
 from .grads import GradState
@@ -46,7 +46,6 @@ from .program import (
     StepSchedule,
     agreement_group,
     backward_program,
-    control_group,
     start_agreement,
     unit_names,
 )
@@ -83,7 +82,7 @@ class StepContext:
         # The step already ended on every rank (this rank raised StepAbandoned, or its fc.reset_step met the others
         # in the agreement): another fc.reset_step has nothing left to do, on any rank.
         self.ended_everywhere = False
-        self.calls_seen = 0  # forward calls of units so far (their order: see _note_wait_after)
+        self.calls_seen = 0  # forward calls of units so far (their order: see _build_walk's wait_after)
         self.forward_raised = False  # the last root forward raised: its remaining all-gathers were never issued
         # The last backward left no-sync gradients in accumulation buffers (decided from settings, so it is the same
         # on every rank), and the backward that reduces them "drains" the window (see begin_backward).
@@ -95,10 +94,6 @@ class StepContext:
         # it on a CPU root to run that side on gloo, where each wait blocks the host: stricter than a stream wait, so
         # a wait cycle between ranks' streams shows as a hang there.
         self.accelerated = root.device.type != "cpu"
-
-    def next_in_schedule(self, state: ShardState) -> ShardState | None:
-        """The implicit forward prefetch target after ``state``: the next unit in registration order."""
-        return self.schedule.next_after(state)
 
     def next_call_number(self) -> int:
         self.calls_seen += 1
@@ -124,11 +119,16 @@ class StepContext:
         if self.phase is StepPhase.BACKWARD:
             self.abandon()  # a backward that raised: its final callback never ran
         self.ended_everywhere = False
-        if any(state.collective_checks for state in self.states):
-            check_ranks_agree(self.root, self.states)  # before anything of this step communicates
+        checks = pending = False
         for state in self.states:
-            state.record.entries = [entry for entry in state.record.entries if entry.alive()]  # graphs nobody runs
-        continuing = self.phase is StepPhase.AWAITING_BACKWARD and any(state.record.entries for state in self.states)
+            checks = checks or state.collective_checks
+            record = state.record
+            if record.entries:
+                record.entries = [entry for entry in record.entries if entry.alive()]  # graphs nobody runs
+                pending = pending or bool(record.entries)
+        if checks:
+            check_ranks_agree(self.root, self.states)  # before anything of this step communicates
+        continuing = self.phase is StepPhase.AWAITING_BACKWARD and pending
         self.forward_raised = False
         for state in self.states:
             unit = state.unit
@@ -139,13 +139,14 @@ class StepContext:
             kept = unit.gather.explicit or state.record.kept_unsharded
             if not kept and unit.gather.state is not UnitState.SHARDED:
                 unit.gather.reshard()
-            unit.adopt_if_changed()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
             if continuing:
                 state.record.forget_forward()
             else:
                 state.record.forget_step()
-            if state.auto_refresh_trainable and unit.refresh_trainable():
-                logger.debug("trainability of %s changed: refreshed", unit.owner_name)
+            if state.params_changed():
+                unit.adopt_if_changed()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
+                if state.auto_refresh_trainable and unit.refresh_trainable():
+                    logger.debug("trainability of %s changed: refreshed", unit.owner_name)
         self.phase = StepPhase.FORWARD
         self.programs = self.programs if continuing else []
         if self.root.device.type != "cpu":
@@ -159,10 +160,11 @@ class StepContext:
         if self.phase is not StepPhase.FORWARD:
             return
         self.forward_raised = raised
+        pending = False
         for state in self.states:
             if state.record.active == 0:
                 close_unit(state)
-        pending = any(state.record.entries for state in self.states)
+            pending = pending or bool(state.record.entries)
         self.phase = StepPhase.AWAITING_BACKWARD if pending else StepPhase.IDLE
 
     # ------------------------------------------------------------------ backward
@@ -174,11 +176,17 @@ class StepContext:
         if self.backward is not None:
             return
         # The calls of each unit this backward runs here (autograd is asked once per call).
-        running_calls = {
-            id(s): [e for e in (*s.record.entries, *s.record.ran) if e.runs_in_this_backward(running)]
-            for s in self.states
-        }
-        pending, agreed = _agree(self, [bool(running_calls[id(state)]) for state in self.states])
+        running_calls: dict[int, list[ForwardCall]] = {}
+        reached = []
+        for state in self.states:
+            calls = []
+            for entry in (*state.record.entries, *state.record.ran):
+                if entry.runs_in_this_backward(running):
+                    calls.append(entry)
+            running_calls[id(state)] = calls
+            reached.append(bool(calls))
+        pending, agreed = _agree(self, reached)
+        read = agreed is None  # this rank's own answer is not the union: the agreement is read now
         if agreed is None:
             try:
                 agreed = pending.result()
@@ -186,24 +194,29 @@ class StepContext:
                 self.abandon(agreed=True)  # every rank raises here: nothing of this backward was issued
                 raise
         self.agreement = pending
+        # Until the final callback knows no rank abandoned the step, reduced rows wait there (delivery.py).
+        hold = not read or bool(agreed.quitting)
         for state in self.states:
-            # Until the final callback knows no rank abandoned the step, reduced rows wait there (delivery.py).
-            state.unit.grads.delivery.hold = not pending.known or bool(agreed.quitting)
+            state.unit.grads.delivery.hold = hold
         _decide_flag_columns(self.states, agreed)
         for state in self.states:
-            state.record.recomputes_due = sum(1 for e in running_calls[id(state)] if e.inputs is not None)
-        self.backward = _build_walk(self, agreed.participants, running_calls)
-        self.backward.program = _compile(self, self.backward)
-        self.programs.append(self.backward.program)
+            recomputes = 0
+            for entry in running_calls[id(state)]:
+                recomputes += entry.inputs is not None
+            state.record.recomputes_due = recomputes
+        walk = self.backward = _build_walk(self, agreed.participants, running_calls)
+        # This backward's program (program.py), from its agreed participants and the state the forward left.
+        flags = {}
+        for state in walk.reduce_order:
+            flags[id(state)] = state.unit.grads.next_layout()
+        group = self.agreement_group
+        control = None if group is None else (str(group.group_name), group.size())
+        walk.program = backward_program(self.schedule, walk.gather_order, live=True, control=control, flags=flags)
+        self.programs.append(walk.program)
         self.phase = StepPhase.BACKWARD
         Variable._execution_engine.queue_callback(self._final_callback)
 
     # ------------------------------------------------------------------ the end of a step
-    def _keeps_after_backward(self, state: ShardState) -> bool:
-        """Full parameters stay across a backward only where asked and no optimizer step can follow it: a step's
-        update through ``.data`` would bump no version counter to tell they are stale."""
-        return not state.reshard_after_backward and not state.gradients_final
-
     def _final_callback(self) -> None:
         """End of backward (queued by its first pre-backward): finish every participant, then reset.
 
@@ -234,26 +247,39 @@ class StepContext:
                 state.record.recomputes_due = 0
             for state in bp.gather_order:
                 grads = state.unit.grads
-                grads.settle()  # the one point where the host waits for device-to-host copies of gradients
-                grads.mark_held()
-                keep = self._keeps_after_backward(state)
-                if not keep and state.unit.gather.state is not UnitState.SHARDED:
-                    state.unit.gather.reshard()
-                if state.unit.gather.state is UnitState.GATHERING:
-                    state.unit.gather.finish()
+                grads.delivery.settle()  # the one point where the host waits for device-to-host copies of gradients
+                if grads.has_pending():  # held past this backward (no-sync): ``.grad`` tells if the user drops them
+                    grads.delivery.mark_held()
+                # Full parameters stay across a backward only where asked and no optimizer step can follow it: a
+                # step's update through ``.data`` would bump no version counter to tell they are stale.
+                keep = not state.reshard_after_backward and not state.gradients_final
+                gather = state.unit.gather
+                if not keep and gather.state is not UnitState.SHARDED:
+                    gather.reshard()
+                if gather.state is UnitState.GATHERING:
+                    gather.finish()
                 record = state.record
-                record.kept_unsharded = keep and state.unit.gather.state is UnitState.UNSHARDED
+                record.kept_unsharded = keep and gather.state is UnitState.UNSHARDED
                 # The calls this backward ran are consumed; calls it did not run wait for a later backward (a
                 # chunked loss runs the head's backward once per chunk, then the body's).
-                record.ran += [e for e in record.entries if id(e) in bp.consumed and not e.outputs_pending()]
-                record.entries = [e for e in record.entries if id(e) not in bp.consumed or e.outputs_pending()]
-                state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
-            self.gradients_held = any(state.unit.grads.state is GradState.ACCUMULATING for state in self.states)
-            self.draining = False
-            self.backward = None
+                waiting = []
+                for entry in record.entries:
+                    if id(entry) in bp.consumed and not entry.outputs_pending():
+                        record.ran.append(entry)
+                    else:
+                        waiting.append(entry)
+                record.entries = waiting
+                if state.unit.shards.replaced.refs:  # none alive, the usual case: nothing to arm
+                    state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
             # Calls no backward has run yet (pipelined micro-batches, the body under a chunked loss) keep the step
             # waiting for theirs.
-            pending = any(state.record.entries for state in self.states)
+            held = pending = False
+            for state in self.states:
+                held = held or state.unit.grads.state is GradState.ACCUMULATING
+                pending = pending or bool(state.record.entries)
+            self.gradients_held = held
+            self.draining = False
+            self.backward = None
             self.phase = StepPhase.AWAITING_BACKWARD if pending else StepPhase.IDLE
 
     def abandon(self, *, agreed: bool = False) -> None:
@@ -369,13 +395,6 @@ def close_unit(state: ShardState) -> None:
             gather.reshard()
 
 
-def _compile(step: StepContext, walk: BackwardWalk) -> Program:
-    """This backward's program (program.py), from its agreed participants and the state the forward left."""
-    flags = {id(s): s.unit.grads.next_layout() for s in walk.reduce_order}
-    control = control_group(step.agreement_group)
-    return backward_program(step.schedule, walk.gather_order, live=True, control=control, flags=flags)
-
-
 def _closing_word(step: StepContext, *, abandoning: bool, program: Program | None = None) -> list[int]:
     """The ranks that abandoned this backward after its agreement (an exception inside it, then ``fc.reset_step``):
     one small all-reduce, issued by every rank once its walk is complete (docs/schedule.md, "The end of a step").
@@ -395,9 +414,20 @@ def _build_walk(
 ) -> BackwardWalk:
     """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs. Each unit's
     record gets this backward's facts about it (``UnitStepRecord.forget_backward``)."""
-    takes_part = {id(s) for s, p in zip(step.states, participants, strict=True) if p}
-    gather_order = [s for s in step.schedule.gather_order if id(s) in takes_part]
-    reducing = False
+    takes_part = set()
+    for state, takes in zip(step.states, participants, strict=True):
+        if takes:
+            takes_part.add(id(state))
+    gather_order = []
+    for state in step.schedule.gather_order:
+        if id(state) in takes_part:
+            gather_order.append(state)
+    reduce_order = []
+    for state in step.schedule.reduce_order:
+        if id(state) in takes_part:
+            reduce_order.append(state)
+    reducing = reached = False
+    consumed = set()
     for state in step.states:
         record = state.record
         record.forget_backward(wait_after=len(gather_order))
@@ -405,40 +435,49 @@ def _build_walk(
         if calls:
             # Post-backward hooks it waits for here. A call whose inputs need no gradient has none (its backward's
             # end is not observable): such a unit finishes in the final callback.
-            observable = all(e.post_backward_runs() for e in calls)
+            observable = True
+            for entry in calls:
+                observable = entry.post_backward_runs() and observable  # each counts its input nodes
+                consumed.add(id(entry))
+            reached = True
             record.reached_here = True
             record.calls_here = len(calls)
             record.awaiting = len(calls) if observable else -1
+    first: list[int] = []  # per participant in the gather order: the order of its first and last forward call
+    last: list[int] = []
     for position, state in enumerate(gather_order):
-        state.record.position = position
+        record = state.record
+        record.position = position
         if state.reduces_now:
-            state.record.reduces = (state.requires_all_reduce, state.requires_gradient_sync)
+            record.reduces = (state.requires_all_reduce, state.requires_gradient_sync)
             reducing = True
-    _note_wait_after(gather_order)
+        low = high = -1
+        for entry in (*record.entries, *record.ran):
+            low = entry.seq if low < 0 else min(low, entry.seq)
+            high = max(high, entry.seq)
+        first.append(low)
+        last.append(high)
+    # Per participant ``v``: the last gather position among ``v`` and every participant with a forward call after
+    # ``v``'s first one (its backward may come before ``v``'s gradients are complete, on any rank).
+    for index, state in enumerate(gather_order):
+        if first[index] < 0:
+            continue  # no call recorded here: wait only once every gather is out (forget_backward's default)
+        wait_after = index
+        for position in range(index + 1, len(gather_order)):
+            if last[position] > first[index]:
+                wait_after = position
+        state.record.wait_after = wait_after
     step.draining = step.gradients_held and reducing
-    reached = any(running_calls.values())
     return BackwardWalk(
         gather_order=gather_order,
-        reduce_order=[s for s in step.schedule.reduce_order if id(s) in takes_part],
-        consumed={id(e) for calls in running_calls.values() for e in calls},
+        reduce_order=reduce_order,
+        consumed=consumed,
         draining=step.draining,
         max_reduce_inputs=step.root.max_reduce_inputs,
         accelerated=step.accelerated,
         where=step._where,
-        graph_task=graph_task() if reached and not _recomputes_inside(running_calls) else None,
+        graph_task=torch._C._current_graph_task_id() if reached and not _recomputes_inside(running_calls) else None,
     )
-
-
-def _acts_on_delivery(states: list[ShardState]) -> bool:
-    """Does user code act on a gradient as soon as it is delivered (an optimizer step in backward, a
-    post-accumulate-grad hook)? Then a delivery cannot wait for the final callback: the agreement is read first."""
-    for state in states:
-        if state.unit.grads.delivery.on_finished is not None:
-            return True
-        for mp in state.unit.grads.trainable:
-            if getattr(mp.sharded, "_post_accumulate_grad_hooks", None):
-                return True
-    return False
 
 
 def _zero_walk(step: StepContext, agreed: Agreement, *, replayed: bool) -> BackwardWalk:
@@ -468,23 +507,34 @@ def _as_after_forward(states: list[ShardState]) -> None:
 def _agree(step: StepContext, reached: list[bool]) -> tuple[PendingAgreement, Agreement | None]:
     """Issue the backward's agreement (``reached``: the units this rank runs in it), and this rank's own answer where
     it is the union (None: read the agreement now, since the answer changes what this rank issues)."""
-    checks = any(state.collective_checks for state in step.states)
     # Per parameter: will this rank have a gradient for it (its unit's reduce-scatter needs no flags when some rank
     # will, for every trainable parameter of the unit)
-    params = [(s, mp) for s in step.states for mp in s.unit.shards.params]
-    expected = [mp.trainable and s.unit.grads.input.expects_gradient(mp) for s, mp in params]
+    checks = False
+    expected = []
+    every_gradient = True
+    # Does user code act on a gradient as soon as it is delivered (an optimizer step in backward, a
+    # post-accumulate-grad hook)? Then a delivery cannot wait for the final callback: the agreement is read first.
+    acts_on_delivery = False
+    for state in step.states:
+        checks = checks or state.collective_checks
+        grads = state.unit.grads
+        acts_on_delivery = acts_on_delivery or grads.delivery.on_finished is not None
+        for mp in state.unit.shards.params:
+            got = mp.trainable and grads.input.expects_gradient(mp)
+            expected.append(got)
+            every_gradient = every_gradient and (got or not mp.trainable)
+            if mp.trainable and getattr(mp.sharded, "_post_accumulate_grad_hooks", None):
+                acts_on_delivery = True
     held = _held_layouts(step.states)
     pending = start_agreement(
         step.schedule, step.agreement_group, reached, abandoning=False, checks=checks, expected=expected, held=held
     )
-    every_gradient = True
-    for (_, mp), got in zip(params, expected, strict=True):
-        every_gradient = every_gradient and (got or not mp.trainable)
     # Inside an accumulation window a rank holding nothing for a unit takes the layout other ranks hold it in.
-    layouts_known = not step.gradients_held or all(
-        layout or not s.unit.grads.trainable for layout, s in zip(held, step.states, strict=True)
-    )
-    if not checks and all(reached) and every_gradient and layouts_known and not _acts_on_delivery(step.states):
+    layouts_known = True
+    if step.gradients_held:
+        for layout, state in zip(held, step.states, strict=True):
+            layouts_known = layouts_known and bool(layout or not state.unit.grads.trainable)
+    if not checks and all(reached) and every_gradient and layouts_known and not acts_on_delivery:
         return pending, Agreement(reached, expected, [], held)
     return pending, None
 
@@ -526,7 +576,10 @@ def _recomputes_inside(running_calls: dict[int, list[ForwardCall]]) -> bool:
         for entry in calls:
             if entry.inputs is not None or entry.anchor is not None:
                 return True
-            stack.extend(entry.pre_nodes())
+            for ref in entry.pre:
+                node = ref()
+                if node is not None:
+                    stack.append(node)
     seen: set[int] = set()
     while stack:
         node = stack.pop()
@@ -539,18 +592,3 @@ def _recomputes_inside(running_calls: dict[int, list[ForwardCall]]) -> bool:
             if following is not None:
                 stack.append(following)
     return False
-
-
-def _note_wait_after(gather_order: list[ShardState]) -> None:
-    """Per participant ``v``: the last gather position among ``v`` and every participant with a forward call after
-    ``v``'s first one (its backward may come before ``v``'s gradients are complete, on any rank)."""
-    first = {id(s): min((e.seq for e in (*s.record.entries, *s.record.ran)), default=-1) for s in gather_order}
-    last = {id(s): max((e.seq for e in (*s.record.entries, *s.record.ran)), default=-1) for s in gather_order}
-    for state in gather_order:
-        if first[id(state)] < 0:
-            continue  # no call recorded here: wait only once every gather is out (forget_backward's default)
-        state.record.wait_after = max(
-            position
-            for position, other in enumerate(gather_order)
-            if other is state or last[id(other)] > first[id(state)]
-        )

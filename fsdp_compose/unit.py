@@ -8,11 +8,12 @@ A unit is made of three parts, each in its own file, which know nothing of each 
 - its gradient side (grads.py ``UnitGradients``), which sees the unit only through a frozen ``ReduceSpec``.
 
 What stays here is what concerns all three at once, and so needs their owner: which dtypes the unit computes and
-reduces in; catching up with parameters the user replaced, cast or (un)froze since the last gather (each may
+reduces in; catching up with parameters the user replaced, cast or (un)froze since the last step (each may
 re-lay out the shards and rebuild the gradient side); moving a tied parameter out to an enclosing unit; and
-``copy.deepcopy``. The engine (hooks.py, step.py, backward.py) calls the parts directly: ``unit.gather`` (wait,
-reshard, state), ``unit.shards`` (parameters, layout) and ``unit.grads``; only a gather's start goes through
-``start_unshard`` here, because a gather from the shards first catches up with replaced parameters.
+``copy.deepcopy``. The engine (hooks.py, step.py, backward.py) calls the parts directly: ``unit.gather`` (start,
+wait, reshard, state), ``unit.shards`` (parameters, layout) and ``unit.grads``. Nothing here runs in a step that
+changes nothing: the step's start asks ``ShardState.params_changed`` (one identity pass) and comes here only for
+a change (``adopt_if_changed``, ``refresh_trainable``).
 """
 
 from __future__ import annotations
@@ -141,13 +142,9 @@ class ShardedUnit:
         )
 
     # ------------------------------------------------------------------ the gather (gathering.py)
-    def start_unshard(self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None = None) -> None:
-        """Issue the all-gather in ``dtype`` (``UnitGather.start``); a gather from the shards adopts changes first."""
-        self.adopt_if_changed()  # nothing to do unless the gather reads the shards (SHARDED)
-        self.gather.start(dtype, async_op=async_op, stream=stream)
-
     def unshard(self, dtype: torch.dtype) -> None:
-        self.start_unshard(dtype, async_op=False)
+        self.adopt_if_changed()
+        self.gather.start(dtype, async_op=False, stream=None)
         self.gather.finish()
 
     @property
@@ -162,7 +159,8 @@ class ShardedUnit:
     # ------------------------------------------------------------------ re-adopting changed parameters
     def adopt_if_changed(self) -> None:
         """Pick up parameters replaced or cast since the last gather (see ``FlatShard.adopt``). Runs at the start of
-        every step, before anything picks a compute dtype from the parameters' dtype, and before each gather."""
+        a step that changed something (``ShardState.params_changed``), before anything picks a compute dtype from the
+        parameters' dtype, and before a gather outside a step (``fc.unshard``, a re-layout)."""
         if self.gather.state is not UnitState.SHARDED:
             return
         if self.shards.defer_hookless:  # FSDP2's all-gather hooks: read again before the first gather (torch too)
@@ -192,8 +190,13 @@ class ShardedUnit:
         return mp.sharded.requires_grad
 
     def trainability_changed(self) -> bool:
+        """Did ``requires_grad`` of a parameter the modules hold change (``current_requires_grad``, for every
+        parameter at every step: inlined)?"""
         for mp in self.shards.params:
-            if self.current_requires_grad(mp) != mp.trainable:
+            module, name = mp.owners[0]
+            full = mp.full
+            held = full if full is not None and module._parameters.get(name) is full else mp.sharded
+            if held.requires_grad != mp.trainable:
                 return True
         return False
 

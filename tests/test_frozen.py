@@ -101,7 +101,8 @@ def _frozen_blocks_reshard_layer_by_layer(rank: int, ws: int) -> dict[str, Any]:
         "observed": observed,
         "frozen_grads": [p.grad for b in model.blocks for p in b.parameters()],
         "reduced": log.reduced,
-        "root_rs_numel": ws * (root_unit.grads.layout.segment_numel + root_unit.grads.tail(flagged=False)),
+        "root_rs_numel": ws
+        * (root_unit.grads.input.layout.segment_numel + root_unit.grads.input.rows.tail(flagged=False)),
     }
 
 

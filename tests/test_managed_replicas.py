@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import fsdp_compose as fc
+from fsdp_compose.grads import divide_factors
 from fsdp_compose.meshes import DataParallelMesh, is_c10d_group
 from tests.dist_utils import mesh_nd
 
@@ -187,7 +188,12 @@ def _groups(rank: int, world_size: int) -> dict[str, Any]:
         "c10d": [is_c10d_group(g) for g in (dp.shard_group, live, ordinary.replicate_group)],
         "agreement": [g is dp.shard_group for g in dp.agreement_groups],
         "ordinary agreement": len(ordinary.agreement_groups),
-        "size_now": (dp.size, dp.size_now(), ordinary.size, ordinary.size_now()),
+        "averaged_over": (
+            dp.size,
+            divide_factors(dp, None, torch.float32)[1],
+            ordinary.size,
+            divide_factors(ordinary, None, torch.float32)[1],
+        ),
     }
 
 
@@ -196,7 +202,7 @@ def test_a_managed_replicate_group_is_told_apart(run_dist: Any) -> None:
         assert result["c10d"] == [True, False, True]
         assert result["agreement"] == [True]  # the shard group only
         assert result["ordinary agreement"] == 2
-        assert result["size_now"] == (SHARDS, SHARDS * REPLICAS, SHARDS * REPLICAS, SHARDS * REPLICAS)
+        assert result["averaged_over"] == (SHARDS, SHARDS * REPLICAS, SHARDS * REPLICAS, SHARDS * REPLICAS)
 
 
 def _agreement(rank: int, world_size: int, replicas: int, checks: bool) -> list[tuple[str, str]]:

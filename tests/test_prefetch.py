@@ -10,7 +10,6 @@ import torch
 
 import fsdp_compose as fc
 import fsdp_compose.gathering as gathering_module
-import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.grads import GradState
 from fsdp_compose.unit import UnitState
@@ -29,7 +28,7 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
     _, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws))
     units = {
-        id(fc.get_state(m).unit): name
+        id(fc.get_state(m).unit.gather): name
         for name, m in [("root", model)] + [(f"b{i}", b) for i, b in enumerate(model.blocks)]
     }
     if explicit:
@@ -37,10 +36,10 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
         fc.set_modules_to_forward_prefetch(model.blocks[1], [])
         fc.set_modules_to_backward_prefetch(model.blocks[3], [model.blocks[1], model.blocks[0]])
     issued: list[tuple[str, bool]] = []
-    original = unit_module.ShardedUnit.start_unshard
+    original = gathering_module.UnitGather.start
 
-    def recording(self: unit_module.ShardedUnit, dtype: torch.dtype, *, async_op: bool, stream: Any = None) -> None:
-        if self.gather.state is UnitState.SHARDED:
+    def recording(self: gathering_module.UnitGather, dtype: torch.dtype, *, async_op: bool, stream: Any) -> None:
+        if self.state is UnitState.SHARDED:
             issued.append((units[id(self)], async_op))
         original(self, dtype, async_op=async_op, stream=stream)
 
@@ -49,11 +48,11 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn(model(x), y).backward()  # the first step records the forward order
     opt.step()  # prefetches after a step must not be taken for stale gathers (each unit is gathered once)
-    unit_module.ShardedUnit.start_unshard = recording  # type: ignore[method-assign]
+    gathering_module.UnitGather.start = recording  # type: ignore[method-assign]
     try:
         loss_fn(model(x), y).backward()
     finally:
-        unit_module.ShardedUnit.start_unshard = original  # type: ignore[method-assign]
+        gathering_module.UnitGather.start = original  # type: ignore[method-assign]
     states = [fc.get_state(m) for m in [model, *model.blocks]]
     left_in_flight = [
         s.unit.gather.state is UnitState.GATHERING or s.unit.grads.state is not GradState.IDLE for s in states
@@ -140,14 +139,14 @@ def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
     _, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws), mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     named = [("root", model)] + [(f"b{i}", b) for i, b in enumerate(model.blocks)]
-    units = {id(fc.get_state(m).unit): name for name, m in named}
+    units = {id(fc.get_state(m).unit.gather): name for name, m in named}
     all_units = [fc.get_state(m).unit for _, m in named]
     issued: list[tuple[str, bool]] = []
     overlapping: list[str] = []
-    original = unit_module.ShardedUnit.start_unshard
+    original = gathering_module.UnitGather.start
 
-    def recording(self: unit_module.ShardedUnit, dtype: torch.dtype, *, async_op: bool, stream: Any = None) -> None:
-        if self.gather.state is UnitState.SHARDED:
+    def recording(self: gathering_module.UnitGather, dtype: torch.dtype, *, async_op: bool, stream: Any) -> None:
+        if self.state is UnitState.SHARDED:
             issued.append((units[id(self)], async_op))
             if any(u.grads.state is GradState.REDUCE_SCATTERING for u in all_units):
                 overlapping.append(units[id(self)])
@@ -157,7 +156,7 @@ def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
     x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
     loss_fn(model(x), y).backward()  # records the forward order
     result: dict[str, Any] = {}
-    unit_module.ShardedUnit.start_unshard = recording  # type: ignore[method-assign]
+    gathering_module.UnitGather.start = recording  # type: ignore[method-assign]
     try:
         for name, sync in [("no_sync", False), ("sync", True), ("plain", True)]:
             out = model(x)  # forward gathers are not recorded: only backward's
@@ -167,7 +166,7 @@ def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
                 loss_fn(out, y).backward()
             result[name] = {"issued": list(issued), "overlapping": list(overlapping)}
     finally:
-        unit_module.ShardedUnit.start_unshard = original  # type: ignore[method-assign]
+        gathering_module.UnitGather.start = original  # type: ignore[method-assign]
     return result
 
 

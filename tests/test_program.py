@@ -36,10 +36,10 @@ def _backwards_recorded() -> Iterator[tuple[list[Program], fc.CollectiveRecorder
     closing word), and each backward's program."""
     programs: list[Program] = []
     recorder = fc.CollectiveRecorder(functional=False)
-    compile_, close = step_module._compile, step_module._closing_word
+    compile_, close = step_module.backward_program, step_module._closing_word
 
-    def compiled(step: Any, walk: Any) -> Program:
-        program = compile_(step, walk)
+    def compiled(*args: Any, **kwargs: Any) -> Program:  # a backward's first hook compiles its program
+        program = compile_(*args, **kwargs)
         programs.append(program)
         recorder.label = f"backward {len(programs) - 1}"
         return program
@@ -50,12 +50,12 @@ def _backwards_recorded() -> Iterator[tuple[list[Program], fc.CollectiveRecorder
         finally:
             recorder.label = ""
 
-    step_module._compile, step_module._closing_word = compiled, closed
+    step_module.backward_program, step_module._closing_word = compiled, closed  # type: ignore[assignment]
     try:
         with recorder:
             yield programs, recorder
     finally:
-        step_module._compile, step_module._closing_word = compile_, close
+        step_module.backward_program, step_module._closing_word = compile_, close
 
 
 def _mismatches(programs: list[Program], recorder: fc.CollectiveRecorder) -> list[str]:

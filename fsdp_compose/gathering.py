@@ -156,8 +156,8 @@ class UnitGather:
                     work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
                     pending = _PendingGather(work, gathered, shard, encoded=False)
                 else:
-                    offloaded = self.devices.offloaded
-                    shard = self.devices.to_compute(flat, dtype) if offloaded or flat.dtype != dtype else flat
+                    # offloaded: the devices' copy to the compute device; else the flat buffer itself (or its cast)
+                    shard = self.devices.to_compute(flat, dtype) if self.devices.offloaded else flat.to(dtype)
                     if transform is not None and gathers:
                         shard = transform.encode(shard)
                         gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=self.device)

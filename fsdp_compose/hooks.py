@@ -143,7 +143,7 @@ def _open(state: ShardState, module: nn.Module, compute_dtype: torch.dtype) -> N
     if unit.gather.state is not UnitState.SHARDED and (stale or unit.gather.compute_dtype != compute_dtype):
         unit.gather.reshard()
     if unit.gather.state is UnitState.SHARDED and state.params_changed():
-        unit.adopt_if_changed()  # a forward outside its root's: nothing else looked since the user's change
+        unit.adopt_if_changed()  # changed since the step began: a forward outside its root's
     unit.gather.explicit = False  # an fc.unshard issued before this forward is consumed here
     unit.grads.accumulating = not state.reduces_now
     record.kept_unsharded = False

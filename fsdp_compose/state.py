@@ -289,8 +289,10 @@ class ShardState:
 
     def start_gather(self, *, async_op: bool) -> None:
         """Issue this unit's all-gather in its compute dtype if it needs one (or is gathered in another dtype)."""
-        dtype = self.compute_dtype(self.modules[0])
         gather = self.unit.gather
+        if gather.state is UnitState.SHARDED and self.params_changed():
+            self.unit.adopt_if_changed()  # changed since the step began: a gather outside the root's forward
+        dtype = self.compute_dtype(self.modules[0])
         if gather.state is not UnitState.SHARDED and gather.compute_dtype != dtype:
             gather.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
         if gather.needs_gather:

@@ -12,8 +12,8 @@ reduces in; catching up with parameters the user replaced, cast or (un)froze sin
 re-lay out the shards and rebuild the gradient side); moving a tied parameter out to an enclosing unit; and
 ``copy.deepcopy``. The engine (hooks.py, step.py, backward.py) calls the parts directly: ``unit.gather`` (start,
 wait, reshard, state), ``unit.shards`` (parameters, layout) and ``unit.grads``. Nothing here runs in a step that
-changes nothing: the step's start asks ``ShardState.params_changed`` (one identity pass) and comes here only for
-a change (``adopt_if_changed``, ``refresh_trainable``).
+changes nothing: the step's start and every gather from the shards ask ``ShardState.params_changed`` (one identity
+pass) and come here only for a change (``adopt_if_changed``, ``refresh_trainable``).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class ShardedUnit:
     def adopt_if_changed(self) -> None:
         """Pick up parameters replaced or cast since the last gather (see ``FlatShard.adopt``). Runs at the start of
         a step that changed something (``ShardState.params_changed``), before anything picks a compute dtype from the
-        parameters' dtype, and before a gather outside a step (``fc.unshard``, a re-layout)."""
+        parameters' dtype, and before a gather from the shards that finds a change the same way."""
         if self.gather.state is not UnitState.SHARDED:
             return
         if self.shards.defer_hookless:  # FSDP2's all-gather hooks: read again before the first gather (torch too)

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepContext", "StepPhase", "close_unit", "keep_for_next_forward"]
+__all__ = ["StepContext", "StepPhase", "close_unit", "keep_for_next_forward", "reset_current_step"]
 
 
 class StepPhase(enum.Enum):
@@ -320,48 +320,50 @@ class StepContext:
         self.backward = None
         self.phase = StepPhase.IDLE
 
-    def reset(self) -> None:
-        """``fc.reset_step``: forget the current step (held no-sync gradients too) and reshard every unit.
 
-        Other ranks may be running this step's backward (this rank raised in its loss or forward): this rank joins
-        its agreement as abandoning, walks it with zeros and returns; they raise ``StepAbandoned`` at its end."""
-        if self.ended_everywhere:  # until the next forward
-            self._forget_step()
-            return
-        replayed = self.forward_raised and self.backward is None
-        if replayed:
-            # This rank's forward stopped at an exception; the others (if it raised here only) go on through theirs:
-            # issue the forward all-gathers they issue after that point, in registration order.
-            for state in self.states:
-                if not state.record.entered and state.unit.gather.needs_gather and not state.unit.gather.explicit:
-                    state.gather_now()
-            self.forward_raised = False
-        if self.backward is None:
-            # Every rank calls reset_step at the same point, or this rank alone while the others run the backward
-            # of the step it abandons: either way they meet in the backward's agreement, and the step then ends on
-            # every rank (another reset_step has nothing left to do).
-            reached = [False] * len(self.states)
-            held = _held_layouts(self.states)
-            pending = start_agreement(
-                self.schedule, self.agreement_group, reached, abandoning=True, checks=False, held=held
-            )
-            agreed = pending.result()
-            if any(agreed.participants):
-                self.backward = _zero_walk(self, agreed, replayed=replayed)
-            self.ended_everywhere = True
-        if self.backward is not None or any(s.unit.grads.has_pending() for s in self.states):
-            self.abandon()
-        self._forget_step()
+def reset_current_step(step: StepContext) -> None:
+    """``fc.reset_step``: forget the current step (held no-sync gradients too) and reshard every unit.
 
-    def _forget_step(self) -> None:
-        for state in self.states:
-            state.unit.gather.explicit = False
-            if state.unit.gather.state is not UnitState.SHARDED:
-                state.unit.gather.reshard()
-            state.record.forget_step()
-            state.record.kept_unsharded = False
-        self.backward = None
-        self.phase = StepPhase.IDLE
+    Other ranks may be running this step's backward (this rank raised in its loss or forward): this rank joins
+    its agreement as abandoning, walks it with zeros and returns; they raise ``StepAbandoned`` at its end."""
+    if step.ended_everywhere:  # until the next forward
+        _forget_step(step)
+        return
+    replayed = step.forward_raised and step.backward is None
+    if replayed:
+        # This rank's forward stopped at an exception; the others (if it raised here only) go on through theirs:
+        # issue the forward all-gathers they issue after that point, in registration order.
+        for state in step.states:
+            if not state.record.entered and state.unit.gather.needs_gather and not state.unit.gather.explicit:
+                state.gather_now()
+        step.forward_raised = False
+    if step.backward is None:
+        # Every rank calls reset_step at the same point, or this rank alone while the others run the backward
+        # of the step it abandons: either way they meet in the backward's agreement, and the step then ends on
+        # every rank (another reset_step has nothing left to do).
+        reached = [False] * len(step.states)
+        held = _held_layouts(step.states)
+        pending = start_agreement(
+            step.schedule, step.agreement_group, reached, abandoning=True, checks=False, held=held
+        )
+        agreed = pending.result()
+        if any(agreed.participants):
+            step.backward = _zero_walk(step, agreed, replayed=replayed)
+        step.ended_everywhere = True
+    if step.backward is not None or any(s.unit.grads.has_pending() for s in step.states):
+        step.abandon()
+    _forget_step(step)
+
+
+def _forget_step(step: StepContext) -> None:
+    for state in step.states:
+        state.unit.gather.explicit = False
+        if state.unit.gather.state is not UnitState.SHARDED:
+            state.unit.gather.reshard()
+        state.record.forget_step()
+        state.record.kept_unsharded = False
+    step.backward = None
+    step.phase = StepPhase.IDLE
 
 
 def _to_device(device: torch.device, value: Any) -> Any:

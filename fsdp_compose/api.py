@@ -108,8 +108,7 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
     """
     _check_bool(async_op, "async_op", "unshard")
     state = _require_state(module, "unshard")
-    state.unit.adopt_if_changed()
-    state.start_gather(async_op=async_op)
+    state.start_gather(async_op=async_op)  # picks up parameters replaced since the last step first
     state.unit.gather.explicit = True
     handle = UnshardHandle(state)
     if async_op:

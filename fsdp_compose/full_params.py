@@ -180,11 +180,8 @@ class FullParams:
                 self.hook(mp)
                 full.params[id(mp)] = (mp.full, mp.full_data, mp.full_hooked)
                 full.note_own_references(mp.slot)
-        for data in full.slots:  # resized back where a reshard freed them
-            storage = data.untyped_storage()
-            nbytes = data.numel() * data.element_size()
-            if storage.size() < nbytes:
-                storage.resize_(nbytes)
+        for data in full.slots:
+            allocate_storage(data)
         return full
 
     def _ensure_whole(self, mp: ManagedParam, dtype: torch.dtype) -> torch.Tensor:

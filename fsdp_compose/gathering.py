@@ -116,9 +116,9 @@ class UnitGather:
         """Issue the all-gather in ``dtype`` (no-op when already unsharded or gathering).
 
         ``stream``: a side stream for the copy-in and the collective's issue, so they overlap compute (None: the
-        current stream; always None on a CPU device). ``finish`` makes the compute stream wait for it. The caller has
-        picked up parameters replaced or cast (``ShardState.params_changed``) and resharded a group block kept in
-        another dtype (``ShardState.start_gather``, the forward's ``_open``).
+        current stream; always None on a CPU device). ``finish`` makes the compute stream wait for it. The caller
+        (``ShardState.start_gather``) has resharded a group block kept in another dtype and picked up parameters
+        replaced or cast (``ShardState.params_changed``).
         """
         with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
             if self.state is UnitState.GROUP_SHARDED:

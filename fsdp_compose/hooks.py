@@ -138,17 +138,14 @@ def _open(state: ShardState, module: nn.Module, compute_dtype: torch.dtype) -> N
     unit = state.unit
     record = state.record
     record.full_precision_now = state.full_precision_in_eval and not module.training
-    # Kept unsharded since an in-place update, or gathered in another precision: gather again.
-    stale = unit.gather.state is UnitState.UNSHARDED and unit.is_stale()
-    if unit.gather.state is not UnitState.SHARDED and (stale or unit.gather.compute_dtype != compute_dtype):
+    # Kept unsharded since an in-place update: gather again (start_gather does so for another precision too).
+    if unit.gather.state is UnitState.UNSHARDED and unit.is_stale():
         unit.gather.reshard()
-    if unit.gather.state is UnitState.SHARDED and state.params_changed():
-        unit.adopt_if_changed()  # changed since the step began: a forward outside its root's
     unit.gather.explicit = False  # an fc.unshard issued before this forward is consumed here
-    unit.grads.accumulating = not state.reduces_now
     record.kept_unsharded = False
-    unit.gather.start(compute_dtype, async_op=False, stream=state.ctx.gather_stream if state.ctx is not None else None)
+    state.start_gather(async_op=False, dtype=compute_dtype)
     unit.gather.finish()
+    unit.grads.accumulating = not state.reduces_now  # after the gather: a cast adopted there rebuilds the grads
     unit.grads.input.note_accumulators()
     record.opened = True
     record.entered = True

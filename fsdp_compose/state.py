@@ -287,14 +287,17 @@ class ShardState:
             return own
         return self.mp_policy.param_dtype or own
 
-    def start_gather(self, *, async_op: bool) -> None:
-        """Issue this unit's all-gather in its compute dtype if it needs one (or is gathered in another dtype)."""
+    def start_gather(self, *, async_op: bool, dtype: torch.dtype | None = None) -> None:
+        """Issue this unit's all-gather in its compute dtype if it needs one (or is gathered in another dtype).
+
+        ``dtype``: the compute dtype of the module being entered (default: the unit's first module's)."""
+        if dtype is None:
+            dtype = self.compute_dtype(self.modules[0])
         gather = self.unit.gather
-        if gather.state is UnitState.SHARDED and self.params_changed():
-            self.unit.adopt_if_changed()  # changed since the step began: a gather outside the root's forward
-        dtype = self.compute_dtype(self.modules[0])
         if gather.state is not UnitState.SHARDED and gather.compute_dtype != dtype:
             gather.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
+        if gather.state is UnitState.SHARDED and self.params_changed():
+            self.unit.adopt_if_changed()  # changed since the step began: a gather outside the root's forward
         if gather.needs_gather:
             # on the root's side stream for all-gather copy-in (None on a CPU device or before lazy init)
             gather.start(dtype, async_op=async_op, stream=self.ctx.gather_stream if self.ctx is not None else None)

@@ -190,13 +190,8 @@ class ShardedUnit:
         return mp.sharded.requires_grad
 
     def trainability_changed(self) -> bool:
-        """Did ``requires_grad`` of a parameter the modules hold change (``current_requires_grad``, for every
-        parameter at every step: inlined)?"""
         for mp in self.shards.params:
-            module, name = mp.owners[0]
-            full = mp.full
-            held = full if full is not None and module._parameters.get(name) is full else mp.sharded
-            if held.requires_grad != mp.trainable:
+            if self.current_requires_grad(mp) != mp.trainable:
                 return True
         return False
 

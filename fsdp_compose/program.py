@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import is_fake
 
 from .collectives import Work, all_reduce_max
 from .state import reshards_after_forward
@@ -459,10 +458,6 @@ class PendingAgreement:
         if values is None:  # this rank is the only data-parallel rank
             return Agreement(self.reached, self.expected, [me] if self.abandoning else [], self.held)
         self.wait()
-        if is_fake(values):
-            # The planner simulates one rank of identical ones (FakeTensorMode, fake process group): what this rank
-            # runs is what every rank runs.
-            return Agreement(self.reached, self.expected, [me] if self.abandoning else [], self.held)
         result = values.tolist()
         world = dist.get_world_size()
         masks = len(self.reached) + len(self.expected)

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .sharding import chunk_rows, padded_rows
 
@@ -65,9 +65,10 @@ def has_fsdp_hooks(tensor: object) -> bool:
 
 
 def is_tensor_subclass(tensor: torch.Tensor) -> bool:
-    """A tensor of a class other than ``torch.Tensor`` / ``nn.Parameter`` (a FakeTensor stands for a plain tensor:
-    the planner's simulated step, torch.compile's tracing)."""
-    return type(tensor) not in (torch.Tensor, nn.Parameter) and not isinstance(tensor, FakeTensor)
+    """A tensor subclass that holds its data in inner tensors (torch's traceable wrapper subclass: NF4, float8), which
+    must be sharded its own way. Tensors that only stand for a plain one while tracing or simulating (FakeTensor,
+    FunctionalTensor) are not: they do not flatten into inner tensors."""
+    return is_traceable_wrapper_subclass(tensor)
 
 
 def check_subclass_param(

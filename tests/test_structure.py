@@ -130,6 +130,27 @@ def test_no_import_circle_at_all() -> None:
     assert not graph["fsdp_compose.state"] & step_layer
 
 
+def _torch_imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_the_engine_has_no_planner_or_fake_tensor_case() -> None:
+    """The planner drives the engine from outside (plan/simulate.py): nothing outside ``plan/`` imports it or torch's
+    fake tensors, so no code path of a real step exists only for the simulation."""
+    graph = import_graph()
+    for name, path in _module_names().items():
+        if name.startswith("fsdp_compose.plan"):
+            continue
+        assert not {dep for dep in graph[name] if dep.startswith("fsdp_compose.plan")}, name
+        assert not {m for m in _torch_imports(path) if "fake" in m}, name
+
+
 def test_no_class_over_300_lines_but_the_listed_ones() -> None:
     sizes = class_sizes()
     table = "\n".join(f"{lines:5d}  {name}" for name, lines in sorted(sizes.items(), key=lambda kv: -kv[1])[:12])

@@ -8,11 +8,19 @@ Two substitutions and nothing else:
   ops compute shapes, dtypes, strides and aliasing exactly as the real kernels would (the CPU kernels: the
   simulated device is ``cpu``).
 
-The fsdp_compose code that runs is the code a real job runs. One adaptation: a fake tensor's ``data_ptr()`` is 0 for
-every storage, so code asking "do these tensors share memory?" by comparing data pointers would always hear yes
-(fsdp_compose's reshard compares the full parameter's storage with the shard's, to avoid freeing a parameter kept
-whole; it would then never free the first parameter of each unit). :class:`StorageIdentity` gives fake tensors data
-pointers that tell storages apart; real tensors are untouched.
+The fsdp_compose code that runs is the code a real job runs, with no branch of its own for the simulation. Two
+adaptations, both here:
+
+- a fake tensor's ``data_ptr()`` is 0 for every storage, so code asking "do these tensors share memory?" by comparing
+  data pointers would always hear yes (fsdp_compose's reshard compares the full parameter's storage with the shard's,
+  to avoid freeing a parameter kept whole; it would then never free the first parameter of each unit).
+  :class:`StorageIdentity` gives fake tensors data pointers that tell storages apart;
+- a fake tensor has no data to read back, and a step reads back one tensor: the backward's agreement, a row made from
+  Python numbers and all-reduced with MAX (``program.start_agreement``). Every simulated rank is the rank simulated,
+  so MAX returns the row this rank made. :class:`SimulatedTensorMode` keeps what such a tensor was made from, and
+  :class:`StorageIdentity` answers ``tolist()`` with it.
+
+Real tensors are untouched.
 """
 
 from __future__ import annotations
@@ -21,13 +29,33 @@ import contextlib
 import warnings
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["StorageIdentity", "clear_dtensor_caches", "fake_process_group", "fake_tensors"]
+__all__ = ["SimulatedTensorMode", "StorageIdentity", "clear_dtensor_caches", "fake_process_group", "fake_tensors"]
+
+_OVERRIDES = ("data_ptr", "untyped_storage")
+_FAKE_TOLIST = FakeTensor.tolist  # reads each element with item(): raises for data a simulation does not have
+
+
+class SimulatedTensorMode(FakeTensorMode):
+    """``FakeTensorMode`` that remembers the real tensor each fake tensor made from Python data (``torch.tensor``,
+    which hands its real result to ``lift_fresh``) stands for, so ``tolist()`` can give the simulated rank's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made_from: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().dispatch(func, types, args, kwargs)
+        if func in self.lift_fns and type(args[0]) is torch.Tensor:
+            self.made_from[out] = args[0]
+        return out
 
 
 class StorageIdentity:
@@ -39,7 +67,10 @@ class StorageIdentity:
     lives (at offset 0) on the storage just obtained from ``a``; comparisons of two tensors' ``data_ptr()`` come out
     right because both are translated. Real tensors are untouched.
 
-    Mechanism: the two methods are set on ``FakeTensor`` (torch's class) for the duration and removed on exit. A
+    ``tolist()`` of a fake tensor made from Python data under a :class:`SimulatedTensorMode` gives that data (any
+    other fake tensor's is torch's).
+
+    Mechanism: the three methods are set on ``FakeTensor`` (torch's class) for the duration and removed on exit. A
     ``TorchFunctionMode`` would be the scoped tool, but torch does not carry function modes into autograd's
     backward hooks, where fsdp_compose reshards after backward. This is the planner's only process-wide change,
     undone on exit; entering it twice at once raises.
@@ -60,8 +91,8 @@ class StorageIdentity:
         return offset if storage is last else int(storage._cdata) + offset
 
     def __enter__(self) -> StorageIdentity:
-        if any(name in vars(FakeTensor) for name in ("data_ptr", "untyped_storage")):
-            raise RuntimeError("FakeTensor already has data_ptr/untyped_storage overrides (nested planner run?)")
+        if any(name in vars(FakeTensor) for name in _OVERRIDES) or FakeTensor.tolist is not _FAKE_TOLIST:
+            raise RuntimeError("FakeTensor already has data_ptr/untyped_storage/tolist overrides (nested planner run?)")
         identity = self
 
         def data_ptr(tensor: torch.Tensor) -> int:
@@ -72,13 +103,21 @@ class StorageIdentity:
 
         FakeTensor.data_ptr = data_ptr  # type: ignore[method-assign,assignment]
         FakeTensor.untyped_storage = untyped_storage  # type: ignore[method-assign,assignment]
+        FakeTensor.tolist = _made_from_tolist  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name in ("data_ptr", "untyped_storage"):
+        for name in _OVERRIDES:
             if name in vars(FakeTensor):
                 delattr(FakeTensor, name)
+        FakeTensor.tolist = _FAKE_TOLIST  # type: ignore[method-assign]
         self._last = None
+
+
+def _made_from_tolist(tensor: FakeTensor) -> Any:
+    made_from = getattr(tensor.fake_mode, "made_from", None)
+    source = made_from.get(tensor) if made_from is not None else None
+    return _FAKE_TOLIST(tensor) if source is None else source.tolist()
 
 
 def clear_dtensor_caches() -> None:
@@ -124,9 +163,9 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_tensors() -> Iterator[FakeTensorMode]:
+def fake_tensors() -> Iterator[SimulatedTensorMode]:
     """Fake tensors with storage identities (enter after the mesh exists: a mesh needs its real rank table)."""
-    with warnings.catch_warnings(), FakeTensorMode() as mode, StorageIdentity():
+    with warnings.catch_warnings(), SimulatedTensorMode() as mode, StorageIdentity():
         # a meta storage's data_ptr() warns (torch deprecates it for fake tensors); StorageIdentity's note says why
         # reading it is harmless here
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")

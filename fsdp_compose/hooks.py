@@ -192,7 +192,7 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
                 hooked = _PreBackward.apply(state, tensor)
                 entry.pre.append(weakref.ref(hooked.grad_fn))
                 replacement[id(tensor)] = hooked
-            output = map_tensors(lambda t: replacement.get(id(t), t), output)
+            output = map_tensors(functools.partial(_replaced, replacement), output)
             record.entries.append(entry)
             record.opening_needs_backward = True
         elif entry.inputs is not None and not (grad_enabled and tensors_in(output)):
@@ -322,7 +322,7 @@ def _wrap_inputs(
         entry.post = [weakref.ref(wrapped[0].grad_fn)]
     entry.posts_left = len(entry.post)  # until a backward asks which of them it runs
     replacement = dict(zip(map(id, needing), wrapped, strict=True))
-    new_args, new_kwargs = map_tensors(lambda t: replacement.get(id(t), t), (args, kwargs))
+    new_args, new_kwargs = map_tensors(functools.partial(_replaced, replacement), (args, kwargs))
     return new_args, new_kwargs
 
 
@@ -489,6 +489,11 @@ def tensors_in(value: Any, *, requiring_grad: bool = False) -> list[torch.Tensor
             if len(leaves) != 1 or leaves[0] is not item:  # else a leaf that is no tensor
                 stack.extend(reversed(leaves))
     return found
+
+
+def _replaced(replacement: dict[int, torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s hooked stand-in (keyed by ``id``), or ``tensor`` itself."""
+    return replacement.get(id(tensor), tensor)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:

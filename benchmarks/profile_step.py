@@ -74,7 +74,7 @@ def category(name: str) -> str:
     return "other"
 
 
-def worker(rank: int, args: BenchArgs, configs: list[str], store_path: str) -> None:
+def worker(rank: int, args: BenchArgs, configs: list[str], store_path: str, top: int = 0) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, args.nproc), rank=rank, world_size=args.nproc)
     try:
@@ -93,11 +93,17 @@ def worker(rank: int, args: BenchArgs, configs: list[str], store_path: str) -> N
                 dist.barrier()
                 totals: dict[str, float] = defaultdict(float)
                 calls = 0
+                ops: list[tuple[float, str, int]] = []
                 for event in prof.key_averages():
-                    totals[category(event.key)] += event.self_cpu_time_total / 1e3 / args.steps
+                    ms = event.self_cpu_time_total / 1e3 / args.steps
+                    totals[category(event.key)] += ms
                     if event.key.startswith("aten::"):
                         calls += event.count
+                        ops.append((ms, event.key, event.count // args.steps))
                 rows.append((name, totals, calls // args.steps))
+                if rank == 0 and top:
+                    listed = ", ".join(f"{key} {ms:.1f} ms x{n}" for ms, key, n in sorted(ops, reverse=True)[:top])
+                    print(f"{config} {name}: top ATen ops by self CPU ms per step: {listed}", flush=True)
                 del impl
             if rank == 0:
                 print(f"\n{config}: self CPU ms per step (rank 0, under the profiler)")
@@ -116,10 +122,11 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--configs", nargs="+", default=["fp32"], choices=sorted(VARIANTS))
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--top", type=int, default=0, help="also list each implementation's N costliest ATen ops")
     ns = parser.parse_args()
     args = BenchArgs(ns.nproc, tuple(ns.configs), ns.steps, 0, 256, 4, 4, 64, 4, 512, 0, False)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(args, ns.configs, str(Path(tmp) / "store")), nprocs=ns.nproc, join=True)
+        mp.spawn(worker, args=(args, ns.configs, str(Path(tmp) / "store"), ns.top), nprocs=ns.nproc, join=True)
 
 
 if __name__ == "__main__":

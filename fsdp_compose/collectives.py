@@ -9,12 +9,14 @@ new one being torch's own): a replacement of either name is seen, and fsdp_compo
 functions itself (no ``FutureWarning``). Nothing is patched here.
 
 The streams they overlap compute on are here too: device-generic side streams and events, and nothing at all on a
-CPU device. One rule keeps every buffer's lifetime correct without ``record_stream``: a buffer is allocated on the
-compute (the current) stream; work issued on a side stream first waits for the compute stream; the compute stream
-waits for the side stream's event (and for a collective, through ``Work.wait``) before it reads or frees anything
-the side stream touched. A freed block is then only reused by work ordered after everything that used it (see
-docs/design.md, "Streams"). A CPU device runs every op to completion before the next, so there is no side stream
-and no event: the helpers return None and the callers run the same code on the current thread.
+CPU device. One rule keeps every buffer's lifetime correct without ``record_stream``: a stream reads what another
+wrote, or reuses a block another used, only after waiting for that other stream. The compute stream waits for a
+side stream's event (and for a collective, through ``Work.wait``) before it reads what the side stream wrote; the
+all-gathers' side stream allocates its own buffers, waits for the compute stream once per step before reading the
+shards the optimizer wrote (``wait_for_compute``), and waits for each copy-out before the buffers it read go back to
+its pool; the offload's copy stream waits for the compute stream before each copy (``issued_on``). docs/design.md,
+"Streams", has the whole rule. A CPU device runs every op to completion before the next, so there is no side
+stream and no event: the helpers return None and the callers run the same code on the current thread.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "reduce_scatter_flat",
     "side_stream",
     "wait_for",
+    "wait_for_compute",
 ]
 
 
@@ -114,6 +117,12 @@ def side_stream(device: torch.device) -> torch.Stream | None:
 def current_stream(device: torch.device) -> torch.Stream:
     """The compute stream: the one the caller's ops go to."""
     return torch.accelerator.current_stream(device)
+
+
+def wait_for_compute(stream: torch.Stream | None, device: torch.device) -> None:
+    """Order ``stream`` after everything queued on the compute stream so far (no host wait; nothing without one)."""
+    if stream is not None:
+        stream.wait_stream(current_stream(device))
 
 
 @contextlib.contextmanager

@@ -19,13 +19,14 @@ drives it through ``ShardedUnit``'s methods of the same purpose. A transition no
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
 
 import torch
 import torch.distributed.fsdp as torch_fsdp
 
-from .collectives import Work, all_gather_flat, issued_on, labelled, record_event, wait_for
+from .collectives import Work, all_gather_flat, labelled, record_event, wait_for
 from .extensions import ShardExtensions
 from .flat import FlatShard
 from .full_params import FullParams, GatherPlan
@@ -66,6 +67,7 @@ class _PendingGather:
     plan: GatherPlan | None = None  # several dtypes or protocol parameters in one all-gather (full_params.py)
     collective: bool = True  # an all-gather filled ``output`` (False: one rank, the output is the shard itself)
     issued: torch.Event | None = None  # recorded on the side stream after the copy-in and the collective's issue
+    stream: torch.Stream | None = None  # the side stream it was issued on, which allocated its buffers
 
 
 class UnitGather:
@@ -116,9 +118,10 @@ class UnitGather:
         """Issue the all-gather in ``dtype`` (no-op when already unsharded or gathering).
 
         ``stream``: a side stream for the copy-in and the collective's issue, so they overlap compute (None: the
-        current stream; always None on a CPU device). ``finish`` makes the compute stream wait for it. The caller
-        (``ShardState.start_gather``) has resharded a group block kept in another dtype and picked up parameters
-        replaced or cast (``ShardState.params_changed``).
+        current stream; always None on a CPU device). The buffers are allocated on it; ``finish`` makes the compute
+        stream wait for it and it wait for the copy-out. The caller (``ShardState.start_gather``) has resharded a
+        group block kept in another dtype, picked up parameters replaced or cast (``ShardState.params_changed``) and
+        ordered the stream after the compute stream's last writes of the shards.
         """
         with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
             if self.state is UnitState.GROUP_SHARDED:
@@ -142,9 +145,9 @@ class UnitGather:
             gathers = self.world_size > 1 and numel > 0
             if transform is not None:
                 stream = None  # an extension's encode decides the collective's size: it runs on the compute stream
-            # Allocated on the compute stream, which frees it after the copy-out (the rule in collectives.py).
-            gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device) if gathers else None
-            with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"), issued_on(stream, self.device):
+            with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"), stream or contextlib.nullcontext():
+                # Allocated on the side stream, which waits for the copy-out before the buffer goes (``finish``).
+                gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device) if gathers else None
                 if cast_in_place:
                     # Cast straight into this rank's segment of the output and all-gather in place (the input is a view
                     # of the output): no separate low-precision copy of the shard lives next to the output while it
@@ -167,7 +170,7 @@ class UnitGather:
                         work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
                         pending = _PendingGather(work, gathered, shard, encoded=transform is not None)
             if stream is not None:
-                pending.issued = record_event(self.device, stream)
+                pending.issued, pending.stream = record_event(self.device, stream), stream
             self._pending_gather = pending
             self.issued += pending.collective
             self._to(UnitState.GATHERING)
@@ -257,6 +260,11 @@ class UnitGather:
                     # more at a step's peak, in some steps only): its storage is released now. On an accelerator the
                     # compute stream's ordering rule frees it (collectives.py), which a resize would bypass.
                     pending.output.untyped_storage().resize_(0)
+                copied_out = record_event(self.device) if pending.stream is not None else None
+                if pending.stream is not None and copied_out is not None:
+                    # The compute stream read buffers the side stream allocated: the side stream's next allocation
+                    # may reuse their blocks, so it waits for this copy-out first (no record_stream needed).
+                    pending.stream.wait_event(copied_out)
                 self.fulls.register(dtype)
             self._to(UnitState.UNSHARDED)
 

@@ -15,6 +15,7 @@ parameter's gradient, and the all-gather side stream).
 from __future__ import annotations
 
 import copy
+import enum
 import weakref
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -23,6 +24,7 @@ import torch.nn as nn
 from torch.autograd.graph import Node
 from torch.distributed.device_mesh import DeviceMesh
 
+from .collectives import wait_for_compute
 from .grads import gradient_node
 from .policies import MixedPrecisionPolicy, PrefetchPoint
 from .unit import ShardedUnit, UnitState
@@ -73,6 +75,15 @@ class BackwardOwner(Protocol):
     def gradient_made(self, state: ShardState, mp: ManagedParam) -> None: ...
 
 
+class StepPhase(enum.Enum):
+    """Where the root's step is (``step.StepContext.phase``, written only by the step)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    AWAITING_BACKWARD = "awaiting_backward"  # a forward with outputs that need grad ended; no backward finished since
+    BACKWARD = "backward"
+
+
 class StepOwner(Protocol):
     """The root's step (``step.StepContext``) as the layers below the step see it."""
 
@@ -80,6 +91,7 @@ class StepOwner(Protocol):
     def backward(self) -> BackwardOwner | None: ...  # the walk of the backward running now
 
     gather_stream: torch.Stream | None
+    phase: StepPhase
 
 
 class ForwardCall:
@@ -296,11 +308,17 @@ class ShardState:
         gather = self.unit.gather
         if gather.state is not UnitState.SHARDED and gather.compute_dtype != dtype:
             gather.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
-        if gather.state is UnitState.SHARDED and self.params_changed():
+        changed = gather.state is UnitState.SHARDED and self.params_changed()
+        if changed:
             self.unit.adopt_if_changed()  # changed since the step began: a gather outside the root's forward
         if gather.needs_gather:
-            # on the root's side stream for all-gather copy-in (None on a CPU device or before lazy init)
-            gather.start(dtype, async_op=async_op, stream=self.ctx.gather_stream if self.ctx is not None else None)
+            # on the root's side stream for all-gather copy-in (None on a CPU device or before lazy init), which
+            # waited for the compute stream at the step's start; again where the shards may have been written since
+            ctx = self.ctx
+            stream = None if ctx is None else ctx.gather_stream
+            if stream is not None and ctx is not None and (changed or ctx.phase is StepPhase.IDLE):
+                wait_for_compute(stream, self.unit.device)
+            gather.start(dtype, async_op=async_op, stream=stream)
 
     def gather_now(self) -> None:
         self.start_gather(async_op=False)

@@ -24,7 +24,6 @@ agreed order, so ranks that stopped at different points meet at its end.
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,7 @@ from torch.utils._pytree import tree_map
 
 from .backward import BackwardWalk
 from .checks import check_ranks_agree
-from .collectives import labelled, side_stream
+from .collectives import labelled, side_stream, wait_for_compute
 from .grads import GradState
 from .program import (
     Agreement,
@@ -49,6 +48,7 @@ from .program import (
     start_agreement,
     unit_names,
 )
+from .state import StepPhase
 from .unit import UnitState
 
 if TYPE_CHECKING:
@@ -57,13 +57,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["StepContext", "StepPhase", "close_unit", "keep_for_next_forward", "reset_current_step"]
-
-
-class StepPhase(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    AWAITING_BACKWARD = "awaiting_backward"  # a forward with outputs that need grad ended; no backward finished since
-    BACKWARD = "backward"
 
 
 class StepContext:
@@ -147,6 +140,10 @@ class StepContext:
                 unit.adopt_if_changed()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
                 if state.auto_refresh_trainable and unit.refresh_trainable():
                     logger.debug("trainability of %s changed: refreshed", unit.owner_name)
+        # The side stream's all-gathers read the shards, which the optimizer (and any re-layout above) wrote on the
+        # compute stream: it waits for them once here, not at every gather (gathers outside a step wait themselves).
+        if self.gather_stream is not None:
+            wait_for_compute(self.gather_stream, self.root.device)
         self.phase = StepPhase.FORWARD
         self.programs = self.programs if continuing else []
         if self.root.device.type != "cpu":

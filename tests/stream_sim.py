@@ -115,6 +115,7 @@ class _Access:
     reads: dict[str, int] = dataclasses.field(default_factory=dict)  # stream -> last read since the last write
     # stream -> its last access of any kind: (its position on that stream, the op)
     users: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    storage: int = 0  # the storage object at this address (``_cdata``); 0: unknown
 
 
 def _plain(t: Any) -> torch.Tensor | None:
@@ -125,8 +126,9 @@ def _plain(t: Any) -> torch.Tensor | None:
     return t
 
 
-def _keys(value: Any) -> list[int]:
-    """The storages of the tensors in ``value`` (a tensor, a list of them, anything else)."""
+def _keys(value: Any, storages: dict[int, int] | None = None) -> list[int]:
+    """The storages of the tensors in ``value`` (a tensor, a list of them, anything else), by address; ``storages``
+    collects which storage object is at each address."""
     tensors = value if isinstance(value, (list, tuple)) else [value]
     keys = []
     for t in tensors:
@@ -134,6 +136,8 @@ def _keys(value: Any) -> list[int]:
         key = None if p is None else _key(p)
         if key is not None:
             keys.append(key)
+            if storages is not None and p is not None:
+                storages[key] = p.untyped_storage()._cdata
     return keys
 
 
@@ -175,10 +179,20 @@ class StreamSim(TorchDispatchMode):
         return SimEvent(self, stream or self.current)
 
     # ------------------------------------------------------------------ accesses
-    def access(self, what: str, stream: SimStream, reads: list[int], writes: list[int]) -> None:
-        """One op on ``stream`` reading and writing the storages with these keys."""
+    def access(
+        self, what: str, stream: SimStream, reads: list[int], writes: list[int], storages: dict[int, int] | None = None
+    ) -> None:
+        """One op on ``stream`` reading and writing the storages with these keys (``storages``: the storage object
+        at each address, where known)."""
         stream.seq += 1
         seq = stream.seq
+        for key, storage in (storages or {}).items():
+            record = self.storages.get(key)
+            if record is not None and record.storage not in (0, storage):
+                # Another storage lives at this address now, grown by ``UntypedStorage.resize_`` (a full parameter
+                # gathered again), which dispatches no op: allocated on the stream that first touches it, the one
+                # the engine grows it on.
+                self.storages[key] = _Access(stream.name, storage=storage)
         for key in set(reads) - set(writes):
             record = self.storages.get(key)
             if record is None:
@@ -200,7 +214,7 @@ class StreamSim(TorchDispatchMode):
             record.reads = {}
             record.users[stream.name] = (seq, what)
 
-    def allocated(self, what: str, stream: SimStream, key: int) -> None:
+    def allocated(self, what: str, stream: SimStream, key: int, storage: int = 0) -> None:
         """A new storage: where its address was another's, that one was freed and its block is reused here."""
         old = self.storages.pop(key, None)
         if old is not None and old.allocated_on == stream.name:  # the caching allocator's reuse (same stream)
@@ -208,7 +222,9 @@ class StreamSim(TorchDispatchMode):
                 if not stream.knows(user, at):
                     self._violate(what, stream, f"reuses a freed block {user} used ({op}), without waiting")
         written = (stream.name, stream.seq)
-        self.storages[key] = _Access(stream.name, last_write=written, users={stream.name: (stream.seq, what)})
+        self.storages[key] = _Access(
+            stream.name, last_write=written, users={stream.name: (stream.seq, what)}, storage=storage
+        )
 
     def _violate(self, what: str, stream: SimStream, message: str) -> None:
         if len(self.violations) < 20:
@@ -225,9 +241,10 @@ class StreamSim(TorchDispatchMode):
         self.ops += 1
         reads: list[int] = []
         writes: list[int] = []
+        storages: dict[int, int] = {}
         for i, arg in enumerate(func._schema.arguments):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
-            keys = _keys(value)
+            keys = _keys(value, storages)
             if arg.alias_info is not None and arg.alias_info.is_write:
                 writes += keys
             else:
@@ -235,10 +252,11 @@ class StreamSim(TorchDispatchMode):
         out = func(*args, **kwargs)  # keys were taken before: an op may free its input's storage (resize_)
         stream = self.current
         inputs = set(reads) | set(writes)
-        for key in _keys(out):
+        made: dict[int, int] = {}
+        for key in _keys(out, made):
             if key not in inputs:
-                self.allocated(func.__name__, stream, key)
-        self.access(func.__name__, stream, reads, writes)
+                self.allocated(func.__name__, stream, key, made[key])
+        self.access(func.__name__, stream, reads, writes, storages)
         return out
 
     def host_read(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -260,7 +278,9 @@ class StreamSim(TorchDispatchMode):
             group = kwargs.get("group")
             comm = self.stream(f"comm:{getattr(group, 'group_name', None) or 'world'}")
             comm.wait_stream(self.current)  # a collective starts after the work queued before it
-            self.access(original.__name__, comm, _keys(args[reads]), _keys(args[writes]))
+            storages: dict[int, int] = {}
+            read, written = _keys(args[reads], storages), _keys(args[writes], storages)
+            self.access(original.__name__, comm, read, written, storages)
             work = original(*args, **kwargs)
             sim_work = SimWork(self, work, comm.snapshot())
             if not kwargs.get("async_op", False):

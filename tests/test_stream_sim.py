@@ -18,8 +18,9 @@ import pytest
 import fsdp_compose.delivery as delivery_module
 import fsdp_compose.gathering as gathering_module
 import fsdp_compose.program as schedule_module
+import fsdp_compose.step as step_module
 from tests.random_models import config_from_seed
-from tests.stream_sim import on_recording_streams, recording_streams
+from tests.stream_sim import SimStream, on_recording_streams, recording_streams
 from tests.test_accelerator_path import CASES as SWEEP_CASES
 from tests.test_program import SHAPES
 from tests.test_randomized import GRAPH_SHAPES, check_case, run_case
@@ -75,14 +76,38 @@ def test_sweep_configurations_keep_the_streams_rule(run_dist, name: str) -> None
 
 
 # ---------------------------------------------------------------------------------------- the check can fail
+# Drawn configurations in which breaking the side stream's waits shows: its all-gathers read the shards on a group
+# that no other collective orders after the optimizer, and the CPU allocator hands a freed buffer's address out again.
+_SIDE_STREAM_SEEDS = (2661, 2666, 2670)
+_SIDE_STREAM_CASES = ("skip_step_start_wait", "skip_copy_out_wait")
+
+
 def _sabotaged(rank: int, ws: int, how: str) -> dict[str, Any]:
-    cfg = dataclasses.replace(GRAPH_SHAPES["chunked_loss"], ws=ws)
+    violations = []
+    if how in _SIDE_STREAM_CASES:
+        for seed in _SIDE_STREAM_SEEDS:
+            violations += _sabotaged_run(rank, ws, how, config_from_seed(seed, ws))
+    else:
+        violations = _sabotaged_run(rank, ws, how, dataclasses.replace(GRAPH_SHAPES["chunked_loss"], ws=ws))
+    return {"violations": violations}
+
+
+def _sabotaged_run(rank: int, ws: int, how: str, cfg: Any) -> list[str]:
     with recording_streams(seed=rank) as sim:
         if how == "free_reduce_scatter_input":
             # gloo's rule on an accelerator: the reduce-scatter's input is freed as soon as it is issued
             delivery_module.ReduceSpec.input_copied_at_issue = property(lambda spec: True)  # type: ignore[assignment]
         elif how == "skip_copy_in_wait":
             gathering_module.wait_for = lambda event, device: None  # type: ignore[assignment]
+        elif how == "skip_step_start_wait":
+            step_module.wait_for_compute = lambda stream, device: None  # type: ignore[assignment]
+        elif how == "skip_copy_out_wait":
+            idle = sim.stream("idle")  # an event of a stream that never ran anything orders nothing
+
+            def record_event(device: Any, stream: Any = None) -> Any:
+                return sim.record_event(device, stream if stream is not None else idle)
+
+            gathering_module.record_event = record_event  # type: ignore[assignment]
         elif how == "read_agreement_unordered":
 
             def wait(pending: schedule_module.PendingAgreement) -> None:
@@ -95,11 +120,13 @@ def _sabotaged(rank: int, ws: int, how: str) -> dict[str, Any]:
             run_case(rank, ws, cfg)
         finally:
             gathering_module.wait_for = _WAIT_FOR
+            step_module.wait_for_compute = _WAIT_FOR_COMPUTE
             schedule_module.PendingAgreement.wait = _AGREEMENT_WAIT  # type: ignore[method-assign]
-    return {"violations": sim.violations}
+    return sim.violations
 
 
 _WAIT_FOR = gathering_module.wait_for
+_WAIT_FOR_COMPUTE = step_module.wait_for_compute
 _AGREEMENT_WAIT = schedule_module.PendingAgreement.wait
 
 
@@ -109,13 +136,21 @@ _AGREEMENT_WAIT = schedule_module.PendingAgreement.wait
         ("free_reduce_scatter_input", "reuses a freed block"),
         ("skip_copy_in_wait", "reads a buffer"),
         ("read_agreement_unordered", "tolist on compute: reads a buffer comm"),
+        ("skip_step_start_wait", "reads a buffer compute wrote"),
+        ("skip_copy_out_wait", "reuses a freed block compute used"),
     ],
 )
 def test_the_check_finds_a_broken_rule(run_dist, how: str, symptom: str) -> None:
     """Freeing a reduce-scatter's input at issue (gloo's rule, wrong for NCCL), copying an all-gather out without
-    waiting for the side stream's copy-in event, or reading the agreement on the host without ordering the current
-    stream after its all-reduce, is reported."""
-    for result in run_dist(2, _sabotaged, how):
+    waiting for the side stream's copy-in event, reading the agreement on the host without ordering the current
+    stream after its all-reduce, all-gathering shards the optimizer wrote without the step start's wait, or letting
+    the side stream reuse an all-gather buffer before the copy-out read it, is reported."""
+    results = run_dist(2, _sabotaged, how)
+    if how in _SIDE_STREAM_CASES:
+        # A reuse shows only where the CPU allocator hands the same address out again: on some rank, in some run.
+        assert any(symptom in v for result in results for v in result["violations"]), results
+        return
+    for result in results:
         assert any(symptom in v for v in result["violations"]), result["violations"]
 
 
@@ -130,3 +165,63 @@ def test_completed_collectives_are_reported_late(run_dist) -> None:
             assert not result["violations"], result["violations"]
             late += result["late"]
     assert late > 0
+
+
+# ------------------------------------------------------------------------- when the side stream waits for compute
+def _side_waits(rank: int, ws: int) -> dict[str, int]:
+    """A training run's root forwards, all-gathers issued on the side stream, and the side stream's waits for the
+    compute stream (``wait_stream``) and for a copy-out (``wait_event`` on an event of the compute stream)."""
+    cfg = dataclasses.replace(GRAPH_SHAPES["chunked_loss"], ws=ws)
+    counts = {"forwards": 0, "side_gathers": 0, "waits_for_compute": 0, "waits_for_copy_out": 0}
+    wait_stream, wait_event = SimStream.wait_stream, SimStream.wait_event
+    begin_forward, start = step_module.StepContext.begin_forward, gathering_module.UnitGather.start
+
+    def counted_wait_stream(self: SimStream, other: SimStream) -> None:
+        counts["waits_for_compute"] += self.name.startswith("side") and other.name == "compute"
+        wait_stream(self, other)
+
+    def counted_wait_event(self: SimStream, event: Any) -> None:
+        counts["waits_for_copy_out"] += self.name.startswith("side")
+        wait_event(self, event)
+
+    def counted_begin_forward(ctx: Any, *args: Any) -> Any:
+        counts["forwards"] += ctx.gather_stream is not None
+        return begin_forward(ctx, *args)
+
+    def counted_start(gather: Any, dtype: Any, *, async_op: bool, stream: Any) -> None:
+        before = gather.issued
+        start(gather, dtype, async_op=async_op, stream=stream)
+        counts["side_gathers"] += stream is not None and gather.issued > before
+
+    patches = [
+        (SimStream, "wait_stream", counted_wait_stream),
+        (SimStream, "wait_event", counted_wait_event),
+        (step_module.StepContext, "begin_forward", counted_begin_forward),
+        (gathering_module.UnitGather, "start", counted_start),
+    ]
+    with recording_streams(seed=rank) as sim:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        try:
+            run_case(rank, ws, cfg)
+        finally:
+            for owner, name, value in zip(
+                (SimStream, SimStream, step_module.StepContext, gathering_module.UnitGather),
+                ("wait_stream", "wait_event", "begin_forward", "start"),
+                (wait_stream, wait_event, begin_forward, start),
+                strict=True,
+            ):
+                setattr(owner, name, value)
+    assert not sim.violations, sim.violations
+    return counts
+
+
+def test_the_side_stream_waits_for_compute_once_per_forward(run_dist) -> None:
+    """The side stream waits for everything queued on the compute stream once per root forward (the shards the
+    optimizer wrote), not at every all-gather: a prefetch's copy-in then waits only for the last copy-out, never for
+    the compute (and the reduce-scatter waits) queued after it. Each all-gather's buffers go back to the side
+    stream's pool after it waits for their copy-out."""
+    for counts in run_dist(2, _side_waits):
+        assert counts["forwards"] > 0 and counts["side_gathers"] > 2 * counts["forwards"], counts
+        assert counts["waits_for_compute"] == counts["forwards"], counts
+        assert counts["waits_for_copy_out"] == counts["side_gathers"], counts

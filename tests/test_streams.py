@@ -2,9 +2,11 @@
 
 On a CPU device ``fsdp_compose.collectives`` hands out no stream, so these tests substitute objects that log what the
 engine asks of them, and a dispatch mode that notes on which stream every op was issued. They check the lifetime rule
-of collectives.py: the side stream waits for the compute stream before each copy-in; the copy-in and the collective run
-on the side stream; every buffer is allocated on the compute stream; the compute stream waits for the side stream's
-event before the copy-out reads the gathered buffer. Training still matches the single-process reference.
+of collectives.py: the side stream waits for the compute stream once, at the root's forward; the gathered buffers are
+allocated on the side stream, and the copy-in and the collective run there; the compute stream waits for the side
+stream's event before the copy-out reads the gathered buffer, and the side stream waits for an event recorded after
+that copy-out before the buffer goes. Training still matches the single-process reference. (tests/test_stream_sim.py
+checks the same rule op by op over every graph shape and the sweep's configurations.)
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def _gather_on_recording_streams(rank: int, ws: int) -> dict[str, Any]:
     saved = (step_module.side_stream, streams_module.current_stream, gathering_module.record_event)
     step_module.side_stream = lambda device: _Stream("side", log, where)  # type: ignore[assignment,return-value]
     streams_module.current_stream = lambda device: compute  # type: ignore[assignment,return-value]
-    gathering_module.record_event = lambda device, stream=None: _Event(stream, log)  # type: ignore[assignment,arg-type,return-value]
+    gathering_module.record_event = lambda device, stream=None: _Event(stream or compute, log)  # type: ignore[assignment,arg-type,return-value]
     try:
         cfg = GPTConfig()
         reference, model = reference_and_copy(cfg)
@@ -95,25 +97,24 @@ def _gather_on_recording_streams(rank: int, ws: int) -> dict[str, Any]:
 
 def _check(log: list[tuple[Any, ...]], units: int) -> None:
     waits = [i for i, e in enumerate(log) if e[0] == "wait_stream"]
-    assert waits and all(log[i][1:] == ("side", "compute") for i in waits)
+    assert [log[i] for i in waits] == [("wait_stream", "side", "compute")]  # once: the root's forward
+    side_ops = [i for i, e in enumerate(log) if e[0] == "op" and e[2] == "side"]
+    assert side_ops and waits[0] < side_ops[0]
+    issued = {e[2]: i for i, e in enumerate(log) if e[0] == "record" and e[1] == "side"}
     # blocks gathered in forward and again in backward, the root once
-    assert len(waits) == 2 * (units - 1) + 1
-    recorded = {e[2]: i for i, e in enumerate(log) if e[0] == "record"}
-    assert all(log[i][1] == "side" for i in recorded.values()) and len(recorded) == len(waits)
-    for start in waits:
-        # everything between the wait and the event: the copy-in and the collective, on the side stream
-        (number,) = [n for n, i in recorded.items() if i > start and not any(start < w < i for w in waits)]
-        issued = [e for e in log[start : recorded[number]] if e[0] == "op"]
-        assert any(e[1].startswith("copy_") for e in issued), issued  # the bf16 cast into the gathered buffer
-        assert all(e[2] == "side" for e in issued if not e[1].startswith("empty")), issued
-        # the compute stream waits for that event before the copy-out reads the gathered buffer
+    assert len(issued) == 2 * (units - 1) + 1
+    for number, at in issued.items():
+        # the compute stream waits for the side stream's event before the copy-out reads the gathered buffer ...
         waited = log.index(("wait_event", "compute", number))
-        copy_out = next(
-            i for i, e in enumerate(log) if i > recorded[number] and e[0] == "op" and e[1].startswith("split_with")
-        )
-        assert recorded[number] < waited < copy_out
-    allocations = [e for e in log if e[0] == "op" and e[1].startswith("empty")]
-    assert allocations and all(e[2] == "compute" for e in allocations)  # buffers belong to the compute stream
+        copy_out = next(i for i, e in enumerate(log) if i > waited and e[0] == "op" and e[1].startswith("split_with"))
+        assert at < waited < copy_out
+        # ... and the side stream waits for an event recorded after the copy-out before the buffer goes back
+        copied = next(i for i, e in enumerate(log) if i > copy_out and e[0] == "record" and e[1] == "compute")
+        assert ("wait_event", "side", log[copied][2]) in log[copied:]
+    casts = [log[i] for i in side_ops if log[i][1].startswith("copy_")]
+    assert len(casts) == len(issued)  # the bf16 cast into each gathered buffer, on the side stream
+    allocations = [log[i] for i in side_ops if log[i][1].startswith("empty")]
+    assert len(allocations) == len(issued)  # each gathered buffer belongs to the side stream
     assert all(e[2] == "compute" for e in log if e[0] == "op" and e[1].startswith("split_with"))
 
 

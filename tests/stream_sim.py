@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import random
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -159,6 +160,8 @@ class StreamSim(TorchDispatchMode):
         self.compute = self.stream("compute")
         self.stack: list[SimStream] = [self.compute]
         self.storages: dict[int, _Access] = {}
+        # side stream -> the blocks it allocated, with a weak reference to the tensor each allocation returned
+        self.pools: dict[str, list[tuple[weakref.ref[torch.Tensor], _Access]]] = {}
         self.violations: list[str] = []
         self.ops = 0  # ops checked
         self.late_reports = 0  # completed collectives reported as not completed yet
@@ -214,17 +217,33 @@ class StreamSim(TorchDispatchMode):
             record.reads = {}
             record.users[stream.name] = (seq, what)
 
-    def allocated(self, what: str, stream: SimStream, key: int, storage: int = 0) -> None:
-        """A new storage: where its address was another's, that one was freed and its block is reused here."""
+    def allocated(
+        self, what: str, stream: SimStream, key: int, storage: int = 0, tensor: torch.Tensor | None = None
+    ) -> None:
+        """A new storage: where its address was another's, that one was freed and its block is reused here.
+
+        On a side stream, every block that stream allocated and that is freed by now counts as reused, whatever
+        address the CPU allocator picked (the caching allocator may hand out any of them): the check then does not
+        depend on the CPU allocator's choices. A block counts as freed once the tensor its allocation returned is."""
         old = self.storages.pop(key, None)
         if old is not None and old.allocated_on == stream.name:  # the caching allocator's reuse (same stream)
-            for user, (at, op) in old.users.items():
-                if not stream.knows(user, at):
-                    self._violate(what, stream, f"reuses a freed block {user} used ({op}), without waiting")
+            self._check_reuse(what, stream, old)
+        if stream is not self.compute:
+            pool = self.pools.get(stream.name, [])
+            for ref, freed in pool:
+                if ref() is None and freed is not old:
+                    self._check_reuse(what, stream, freed)
+            self.pools[stream.name] = [(ref, record) for ref, record in pool if ref() is not None]
         written = (stream.name, stream.seq)
-        self.storages[key] = _Access(
-            stream.name, last_write=written, users={stream.name: (stream.seq, what)}, storage=storage
-        )
+        record = _Access(stream.name, last_write=written, users={stream.name: (stream.seq, what)}, storage=storage)
+        self.storages[key] = record
+        if stream is not self.compute and tensor is not None:
+            self.pools[stream.name].append((weakref.ref(tensor), record))
+
+    def _check_reuse(self, what: str, stream: SimStream, old: _Access) -> None:
+        for user, (at, op) in old.users.items():
+            if not stream.knows(user, at):
+                self._violate(what, stream, f"reuses a freed block {user} used ({op}), without waiting")
 
     def _violate(self, what: str, stream: SimStream, message: str) -> None:
         if len(self.violations) < 20:
@@ -253,9 +272,11 @@ class StreamSim(TorchDispatchMode):
         stream = self.current
         inputs = set(reads) | set(writes)
         made: dict[int, int] = {}
-        for key in _keys(out, made):
-            if key not in inputs:
-                self.allocated(func.__name__, stream, key, made[key])
+        outputs = out if isinstance(out, (list, tuple)) else [out]
+        for tensor in outputs:
+            for key in _keys(tensor, made):
+                if key not in inputs:
+                    self.allocated(func.__name__, stream, key, made[key], _plain(tensor))
         self.access(func.__name__, stream, reads, writes, storages)
         return out
 

@@ -104,9 +104,9 @@ _EXTENSIONS_HINT = "pass fc.ShardExtensions({field}=...) to fc.fully_shard inste
 
 
 def _set_post_optim_event(module: nn.Module, event: torch.Event) -> None:
-    # FSDP2 makes its all-gather streams wait on the event; fsdp_compose all-gathers on the current stream, so
-    # making that stream wait gives the same ordering for every later all-gather. A CPU stream's record_event()
-    # returns None: nothing to wait for, as in FSDP2.
+    # FSDP2 makes its all-gather streams wait on the event; fsdp_compose's all-gather stream waits for the current
+    # stream at the root's forward (docs/design.md, "Streams"), so making that stream wait gives the same ordering for
+    # every later all-gather. A CPU stream's record_event() returns None: nothing to wait for, as in FSDP2.
     api._require_state(module, "set_post_optim_event")
     if event is not None:
         event.wait()

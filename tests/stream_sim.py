@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import random
 import traceback
 import weakref
@@ -238,7 +239,13 @@ class StreamSim(TorchDispatchMode):
         record = _Access(stream.name, last_write=written, users={stream.name: (stream.seq, what)}, storage=storage)
         self.storages[key] = record
         if stream is not self.compute and tensor is not None:
-            self.pools[stream.name].append((weakref.ref(tensor), record))
+            self.pools[stream.name].append((weakref.ref(tensor, functools.partial(self._freed, key, record)), record))
+
+    def _freed(self, key: int, record: _Access, ref: object) -> None:
+        """A side stream's block is freed: forget its address, so a tensor made there later without a dispatched op
+        (``torch.tensor``) starts a record of its own instead of adding its users to the freed block's."""
+        if self.storages.get(key) is record:
+            del self.storages[key]
 
     def _check_reuse(self, what: str, stream: SimStream, old: _Access) -> None:
         for user, (at, op) in old.users.items():

@@ -119,10 +119,9 @@ def current_stream(device: torch.device) -> torch.Stream:
     return torch.accelerator.current_stream(device)
 
 
-def wait_for_compute(stream: torch.Stream | None, device: torch.device) -> None:
-    """Order ``stream`` after everything queued on the compute stream so far (no host wait; nothing without one)."""
-    if stream is not None:
-        stream.wait_stream(current_stream(device))
+def wait_for_compute(stream: torch.Stream, device: torch.device) -> None:
+    """Order ``stream`` after everything queued on the compute stream so far (no host wait)."""
+    stream.wait_stream(current_stream(device))
 
 
 @contextlib.contextmanager
@@ -131,7 +130,7 @@ def issued_on(stream: torch.Stream | None, device: torch.device) -> Iterator[Non
     if stream is None:
         yield
         return
-    stream.wait_stream(current_stream(device))
+    wait_for_compute(stream, device)
     with stream:
         yield
 

@@ -260,11 +260,12 @@ class UnitGather:
                     # more at a step's peak, in some steps only): its storage is released now. On an accelerator the
                     # compute stream's ordering rule frees it (collectives.py), which a resize would bypass.
                     pending.output.untyped_storage().resize_(0)
-                copied_out = record_event(self.device) if pending.stream is not None else None
-                if pending.stream is not None and copied_out is not None:
+                if pending.stream is not None:
                     # The compute stream read buffers the side stream allocated: the side stream's next allocation
                     # may reuse their blocks, so it waits for this copy-out first (no record_stream needed).
-                    pending.stream.wait_event(copied_out)
+                    copied_out = record_event(self.device)
+                    if copied_out is not None:
+                        pending.stream.wait_event(copied_out)
                 self.fulls.register(dtype)
             self._to(UnitState.UNSHARDED)
 

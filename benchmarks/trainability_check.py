@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: 
 
 import fsdp_compose as fc  # noqa: E402
 from benchmarks.report import _table, write_section  # noqa: E402
+from fsdp_compose.state import states_under  # noqa: E402
 
 WIDTH = 4  # nn.Linear(WIDTH, WIDTH): weight and bias
 
@@ -82,10 +83,8 @@ def measure(params: int, group: int | None, mode: str, args: argparse.Namespace,
         model.zero_grad(set_to_none=True)
 
     step()  # lazy init: the root collects its states
-    root = fc.get_state(model)
-    assert root is not None
-    states = root.root_states
-    count = sum(len(state.unit.shards.params) for state in states)
+    states = states_under(model)
+    count = sum(len(state.params.shards.params) for state in states)
     assert count == params, (count, params)
 
     def check() -> None:
@@ -97,16 +96,16 @@ def measure(params: int, group: int | None, mode: str, args: argparse.Namespace,
     def change() -> None:
         flipped.requires_grad_(not flipped.requires_grad)
         for state in states:
-            state.unit.refresh_trainable()
+            state.refresh_trainable()
 
     def toggle_only() -> None:
         flipped.requires_grad_(not flipped.requires_grad)
 
     def views() -> None:
         for state in states:
-            state.unit.shards.views_intact()
+            state.params.shards.views_intact()
 
-    result = {"units": sum(1 for s in states if s.unit.shards.params), "states": len(states)}
+    result = {"units": sum(1 for s in states if s.params.shards.params), "states": len(states)}
     result["check"] = per_call(check, args.repeat)
     result["change"] = per_call(change, args.repeat)
     result["toggle"] = per_call(toggle_only, args.repeat)
@@ -146,7 +145,7 @@ def render(rows: list[tuple[str, str, dict[str, Any]]], args: argparse.Namespace
         f"process, gloo world size 1, torch threads: {torch.get_num_threads()}. Model: {args.params // 2} x "
         f"nn.Linear({WIDTH}, {WIDTH}) = {args.params} parameters; fwd+bwd on {args.batch} rows.\n\n"
         "**Trainability check per step** — µs per step, best / median of "
-        f"{args.repeat} timeit repetitions. No change: `state.unit.refresh_trainable()` for every state of the "
+        f"{args.repeat} timeit repetitions. No change: `state.refresh_trainable()` for every state of the "
         "root, nothing changed (the per-forward check). One change: `requires_grad` of one parameter flipped, "
         f"then the same loop (the flip alone costs at most {toggle:.1f} µs). views_intact: the identity check "
         "before every all-gather, every unit. check / step: median no-change check over the median forward and "

@@ -97,7 +97,7 @@ class UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        self._state.unit.gather.finish()
+        self._state.params.gather.finish()
 
 
 def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | None:
@@ -109,7 +109,7 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
     _check_bool(async_op, "async_op", "unshard")
     state = _require_state(module, "unshard")
     state.start_gather(async_op=async_op)  # picks up parameters replaced since the last step first
-    state.unit.gather.explicit = True
+    state.params.gather.explicit = True
     handle = UnshardHandle(state)
     if async_op:
         return handle
@@ -119,7 +119,7 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
 
 def reshard(module: nn.Module) -> None:
     """Free the module's own full parameters and register the sharded ones again (no communication)."""
-    _require_state(module, "reshard").unit.gather.reshard()
+    _require_state(module, "reshard").params.gather.reshard()
 
 
 def set_collective_checks(module: nn.Module, enabled: bool = True) -> None:
@@ -159,8 +159,8 @@ def reset_step(module: nn.Module) -> None:
         reset_current_step(step)  # the step belongs to the root: reset all of it, whichever of its modules was passed
         return
     for sub in states_under(module):  # never ran a forward: nothing but held state to drop
-        sub.unit.grads.discard()
-        sub.unit.gather.reshard()
+        sub.grads.discard()
+        sub.params.gather.reshard()
         sub.record.forget_step()
 
 
@@ -193,18 +193,18 @@ def set_reshard_after_forward(module: nn.Module, value: bool | int, *, recurse: 
     """
     states = _states(module, recurse, "set_reshard_after_forward")
     settings = [
-        reshard_after_forward_setting(value, state.unit.dp.mesh, state.unit.owner_name, allow_none=False)
+        reshard_after_forward_setting(value, state.params.dp.mesh, state.params.owner_name, allow_none=False)
         for state in states
     ]
     for state, setting in zip(states, settings, strict=True):
-        if isinstance(setting, int) and not isinstance(setting, bool) and not state.unit.shards.uniform:
+        if isinstance(setting, int) and not isinstance(setting, bool) and not state.params.shards.uniform:
             raise NotImplementedError(
-                f"set_reshard_after_forward({setting}) on {state.unit.owner_name}, whose parameters have several "
+                f"set_reshard_after_forward({setting}) on {state.params.owner_name}, whose parameters have several "
                 "dtypes or use FSDP2's all-gather hooks: a group size is not supported there; use True or False"
             )
     for state, setting in zip(states, settings, strict=True):
         state.reshard_after_forward_setting = setting
-        state.unit.gather.post_forward = post_forward_group_for(setting, state.unit.dp.mesh)
+        state.params.gather.post_forward = post_forward_group_for(setting, state.params.dp.mesh)
 
 
 def set_reshard_after_backward(module: nn.Module, value: bool, *, recurse: bool = True) -> None:
@@ -302,11 +302,11 @@ def set_optimizer_in_backward(
         )
     built = []
     for state in _states(module, recurse, "set_optimizer_in_backward"):
-        params = [mp.sharded for mp in state.unit.shards.params]
+        params = [mp.sharded for mp in state.params.shards.params]
         if not params:
             continue
         opt = optimizer(params)  # type: ignore[arg-type]
-        state.unit.grads.delivery.on_finished = _StepInBackward(state, opt)
+        state.grads.delivery.on_finished = _StepInBackward(state, opt)
         built.append(opt)
     return built
 
@@ -335,7 +335,7 @@ def set_gradient_divide_factor(module: nn.Module, factor: float, *, recurse: boo
             "1.0 gives the plain sum over ranks"
         )
     for state in _states(module, recurse, "set_gradient_divide_factor"):
-        state.unit.grads.divide_factor = float(factor)
+        state.grads.divide_factor = float(factor)
 
 
 def set_requires_all_reduce(module: nn.Module, requires_all_reduce: bool, *, recurse: bool = True) -> None:
@@ -362,9 +362,9 @@ def set_gradient_accumulation(module: nn.Module, mode: GradientAccumulation, *, 
         raise ValueError(f'gradient accumulation mode must be "unsharded" or "sharded", got {mode!r}')
     states = _states(module, recurse, "set_gradient_accumulation")
     for state in states:  # every unit is checked before any changes
-        if state.unit.grads.has_pending() and state.gradient_accumulation != mode:
+        if state.grads.has_pending() and state.gradient_accumulation != mode:
             raise RuntimeError(
-                f"cannot switch gradient accumulation of {state.unit.owner_name} to {mode!r} while no-sync "
+                f"cannot switch gradient accumulation of {state.params.owner_name} to {mode!r} while no-sync "
                 "gradients are pending; switch after a synced backward"
             )
     for state in states:
@@ -391,7 +391,7 @@ def refresh_trainable(module: nn.Module) -> None:
     it once.
     """
     for state in _states(module, True, "refresh_trainable"):
-        state.unit.refresh_trainable()
+        state.refresh_trainable()
 
 
 class _UnshardingMethod:

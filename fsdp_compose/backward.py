@@ -83,7 +83,7 @@ class BackwardWalk:
             return
         self._advance_gathers(target, needed=state)
         if not record.done and state.unshard_in_backward:
-            self._run("all_gather", state, state.unit.gather, state.gather_now)
+            self._run("all_gather", state, state.params.gather, state.gather_now)
 
     def _issue_backward_gather(self, passed: ShardState, *, now: bool) -> None:
         record = passed.record
@@ -93,10 +93,10 @@ class BackwardWalk:
             # Copied out before its prefetch is issued: the prefetch's output then never coexists with this unit's
             # all-gather output and full parameters (the same all-gathers, in the same order).
             record.gathered = True
-            self._run("all_gather", passed, passed.unit.gather, passed.gather_now)
+            self._run("all_gather", passed, passed.params.gather, passed.gather_now)
         elif not record.gathered:
             record.gathered = True
-            self._run("all_gather", passed, passed.unit.gather, functools.partial(passed.start_gather, async_op=True))
+            self._run("all_gather", passed, passed.params.gather, functools.partial(passed.start_gather, async_op=True))
         if passed.backward_prefetch is not None:
             self._prefetch([t for t in passed.backward_prefetch if t.record.position is not None])
         elif not self.draining:
@@ -109,11 +109,11 @@ class BackwardWalk:
                 record.held_prefetch, record.held_until_freed = targets, None
             else:
                 # Midway: once half the bytes of its full parameters that backward may free early are freed.
-                gather = passed.unit.gather
+                gather = passed.params.gather
                 half = 0
                 if passed.reshard_after_forward and gather.state is UnitState.UNSHARDED:
                     if self._frees_early(passed, nested=False):
-                        half = gather.fulls.early_freeable_bytes(passed.unit.grads.trainable) // 2
+                        half = gather.fulls.early_freeable_bytes(passed.grads.trainable) // 2
                 if half > 0:
                     record.held_prefetch, record.held_until_freed = targets, half
                 else:
@@ -148,12 +148,12 @@ class BackwardWalk:
         """A full parameter of ``state`` got its gradient: to the unit's gradients where they are filling a buffer
         (``make_room`` first for a new one); free it where ``_frees_early`` allows; midway prefetch once half the
         unit is freed."""
-        grads = state.unit.grads
+        grads = state.grads
         if grads.accumulating or grads.input.buffer is not None:
             if grads.input.buffer is None:
                 self.make_room()
             grads.capture(mp)
-        gather = state.unit.gather
+        gather = state.params.gather
         if gather.state is not UnitState.UNSHARDED or not self._frees_early(state):
             return
         freed = gather.fulls.free_early(mp)
@@ -183,7 +183,7 @@ class BackwardWalk:
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
                 target.record.gathered = True
                 self._run(
-                    "all_gather", target, target.unit.gather, functools.partial(target.start_gather, async_op=True)
+                    "all_gather", target, target.params.gather, functools.partial(target.start_gather, async_op=True)
                 )
 
     def call_backward_done(self, state: ShardState) -> None:
@@ -203,11 +203,11 @@ class BackwardWalk:
         record.done = True
         if not record.gathered and record.position is not None:
             self._advance_gathers(record.position)  # peers gather it: so does this rank, before its reduction
-        if state.reshard_after_backward and state.unit.gather.state is not UnitState.GATHERING:
+        if state.reshard_after_backward and state.params.gather.state is not UnitState.GATHERING:
             # Free the full parameters first (the gradients live apart from them), on every rank alike, whether it ran
             # the unit or not. One still gathering (never needed here) is freed in the final callback, when waiting
             # for its all-gather cannot block a peer.
-            state.unit.gather.reshard()
+            state.params.gather.reshard()
         # A peer issues what ``state`` prefetched midway at the latest when its gather cursor passes ``state`` or at
         # the end of its own backward of ``state``; until then it may block only on all-gathers up to ``state`` and
         # reductions before it. So this rank may wait for that all-gather once its reduce cursor is at ``state``
@@ -219,12 +219,12 @@ class BackwardWalk:
             # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
             # then it never meets this unit's reduce-scatter input and output (issued next); where it may not wait,
             # or the all-gather has not arrived, at its pre-backward.
-            unit = prefetched.unit
-            if unit.gather.state is UnitState.GATHERING and prefetched.record.reached_here:
-                if unit.gather.arrived() or may_wait:
+            gather = prefetched.params.gather
+            if gather.state is UnitState.GATHERING and prefetched.record.reached_here:
+                if gather.arrived() or may_wait:
                     prefetched.gather_now()
         record.opened = False
-        grads = state.unit.grads
+        grads = state.grads
         if grads.trainable and grads.input.buffer is None:
             self.make_room()  # a new reduce-scatter input is filled next
         if record.reduces is None:
@@ -258,7 +258,7 @@ class BackwardWalk:
                 if record.reached_here and not final:
                     return  # its gradients may still come
                 self._finish_unit(state)
-            grads = state.unit.grads
+            grads = state.grads
             if record.reduces is not None and grads.trainable:
                 if grads.state is not GradState.STAGED:
                     if grads.input.buffer is None:
@@ -272,7 +272,7 @@ class BackwardWalk:
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
                 all_reduce, synchronising = record.reduces
                 grads.reduce(all_reduce_replicas=all_reduce, synchronising=synchronising)
-                if self.program is not None and state.unit.world_size > 1:
+                if self.program is not None and state.params.world_size > 1:
                     self.program.expect("reduce_scatter", state, self.where)
                 if grads.state is GradState.REDUCE_SCATTERING:
                     self.reducing.append(state)
@@ -290,7 +290,7 @@ class BackwardWalk:
         comes next (HSDP's replica all-reduce) goes out in the agreed order on every rank, not in completion order."""
         still: list[ShardState] = []
         for state in self.reducing:
-            grads = state.unit.grads
+            grads = state.grads
             if not still:
                 self._run("all_reduce", state, grads, functools.partial(grads.advance, only_if_done=True))
             if grads.state is GradState.REDUCE_SCATTERING:
@@ -315,10 +315,10 @@ class BackwardWalk:
             oldest = self.reducing[0]
             if self.gather_cursor <= oldest.record.wait_after:
                 return
-            self._run("all_reduce", oldest, oldest.unit.grads, oldest.unit.grads.advance)
+            self._run("all_reduce", oldest, oldest.grads, oldest.grads.advance)
             still = []
             for state in self.reducing:
-                if state.unit.grads.state is GradState.REDUCE_SCATTERING:
+                if state.grads.state is GradState.REDUCE_SCATTERING:
                     still.append(state)
             self.reducing = still
 
@@ -335,5 +335,5 @@ class BackwardWalk:
                 self._finish_unit(state)
         self.issue_reductions(final=True)
         for state in self.reduce_order:  # the reductions overlapped the rest of backward: wait for what is left
-            self._run("all_reduce", state, state.unit.grads, state.unit.grads.finish)
+            self._run("all_reduce", state, state.grads, state.grads.finish)
         self.reducing = []

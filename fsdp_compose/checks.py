@@ -29,20 +29,20 @@ def describe_step(states: list[ShardState]) -> list[tuple[str, dict[str, Any]]]:
     """Per unit (in registration order), the settings that decide its collectives in the next step."""
     described = []
     for state in states:
-        unit = state.unit
+        params = state.params
         described.append(
             (
-                unit.owner_name,
+                params.owner_name,
                 {
-                    "parameters": [mp.fqn for mp in unit.shards.params],
-                    "trainable": [unit.current_requires_grad(mp) for mp in unit.shards.params],
-                    "kept whole": [mp.slot is None for mp in unit.shards.params],
+                    "parameters": [mp.fqn for mp in params.shards.params],
+                    "trainable": [params.current_requires_grad(mp) for mp in params.shards.params],
+                    "kept whole": [mp.slot is None for mp in params.shards.params],
                     "requires_gradient_sync": state.requires_gradient_sync,
                     "gradient_accumulation": state.gradient_accumulation,
                     "requires_all_reduce": state.requires_all_reduce,
                     "reshard_after_forward": state.reshard_after_forward_setting,
                     "reshard_after_backward": state.reshard_after_backward,
-                    "compute dtype": str(unit.param_dtype),
+                    "compute dtype": str(params.param_dtype),
                 },
             )
         )
@@ -58,7 +58,7 @@ def check_ranks_agree(root: ShardState, states: list[ShardState]) -> None:
     """Raise the same ``RuntimeError`` on every rank of the root's data-parallel mesh when ranks disagree."""
     # Not over a managed replicate group (torchft's): its all-reduce zeroes a healing replica's verdict, and its
     # size() counts the participating replicas, not the members its all-gather runs over (meshes.is_c10d_group).
-    groups = root.unit.dp.agreement_groups
+    groups = root.params.dp.agreement_groups
     if not groups:
         return
     described = describe_step(states)

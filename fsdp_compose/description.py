@@ -180,7 +180,7 @@ def _describe_unit(state: ShardState, paths: dict[int, str], *, outermost: bool)
     with torch.no_grad():
         params = tuple(
             _describe_param(_param_name(state, mp.fqn, paths), mp.sharded, mp.slot is None)
-            for mp in state.unit.shards.params
+            for mp in state.params.shards.params
         )
     own = [p.dtype for p in params if p.shape] or [p.dtype for p in params] or [torch.float32]
     compute = state.mp_policy.param_dtype or own[0]
@@ -236,7 +236,7 @@ def _unmanaged(module: nn.Module, units: list[UnitDescription]) -> list[str]:
     # While a unit is gathered its modules hold the full parameters, under the names of the sharded ones; a tied
     # parameter is listed once, under its first name, by both.
     managed = {p.name for unit in units for p in unit.params}
-    sharded = {id(mp.sharded) for state in _states_under(module) for mp in state.unit.shards.params}
+    sharded = {id(mp.sharded) for state in _states_under(module) for mp in state.params.shards.params}
     return [name for name, param in module.named_parameters() if name not in managed and id(param) not in sharded]
 
 
@@ -418,7 +418,7 @@ def step_schedule(module: nn.Module, names: dict[int, str] | None = None) -> Ste
         )
     if root.root is not None and root.root is not root:
         raise ValueError(
-            f"fc.describe_schedule: {type(module).__name__} is a unit under the root {root.root.unit.owner_name}; "
+            f"fc.describe_schedule: {type(module).__name__} is a unit under the root {root.root.params.owner_name}; "
             "describe the root"
         )
     states = _states_under(module)

@@ -14,7 +14,7 @@ The states (``UnitState``) and what moves between them::
 Why apart from the unit (unit.py): this is the one place that decides which all-gather a unit issues (its flat
 buffer, one ``GatherPlan`` of several dtypes or protocol parameters, or the post-forward block within a group of
 ``k`` ranks) and when it waits, so the collectives of a unit's forward and backward read in one file. The engine
-drives it through ``ShardedUnit``'s methods of the same purpose. A transition not listed in ``_ALLOWED`` raises.
+calls it directly (``state.params.gather``). A transition not listed in ``_ALLOWED`` raises.
 """
 
 from __future__ import annotations

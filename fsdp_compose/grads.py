@@ -302,7 +302,7 @@ class ReduceScatterInput:
 
 
 class UnitGradients:
-    """The gradient side of a ``ShardedUnit``: a ``GradState`` machine over one buffer and one reduction in flight."""
+    """A unit's gradients: a ``GradState`` machine over one buffer and one reduction in flight."""
 
     def __init__(self, spec: ReduceSpec, params: list[ManagedParam]) -> None:
         self.spec = spec
@@ -322,6 +322,21 @@ class UnitGradients:
         self.input = ReduceScatterInput(spec, params)  # the reduce-scatter input and its layout (below)
         self.delivery = GradientDelivery(spec, self.input.rows)
         self.refresh(params)
+
+    def rebuilt(self, spec: ReduceSpec, params: list[ManagedParam]) -> UnitGradients:
+        """This gradient side for new dtypes (the parameters were cast, or which are trainable changed): nothing
+        pending, the same settings and the callback set on this one."""
+        new = UnitGradients(spec, params)
+        new.take_settings(self)
+        new.delivery.on_finished = self.delivery.on_finished
+        return new
+
+    def take_settings(self, old: UnitGradients) -> None:
+        """The user's settings of ``old``: divide factor, FSDP2's all-reduce hook and unused-parameter mode."""
+        self.divide_factor = old.divide_factor
+        self.delivery.reduced_hook = old.delivery.reduced_hook
+        self.delivery.reduced_hook_stream = old.delivery.reduced_hook_stream
+        self.zero_unused = old.zero_unused
 
     # ------------------------------------------------------------------ state machine
     def _to(self, new: GradState) -> None:

@@ -85,7 +85,7 @@ def register_hooks(state: ShardState) -> None:
 
 def _reshard(state: ShardState, *unused: Any) -> None:
     """Before ``state_dict`` / ``load_state_dict``: the module's parameters are its sharded DTensors again."""
-    state.unit.gather.reshard()
+    state.params.gather.reshard()
 
 
 # ---------------------------------------------------------------------- the forward
@@ -94,7 +94,7 @@ def _reshard(state: ShardState, *unused: Any) -> None:
 def pre_forward(
     state: ShardState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    with labelled(f"fsdp_compose::pre_forward[{state.unit.owner_name}]"):
+    with labelled(f"fsdp_compose::pre_forward[{state.params.owner_name}]"):
         record = state.record
         step = state.ctx
         if torch._C._current_graph_task_id() != -1:
@@ -135,18 +135,19 @@ def pre_forward(
 
 def _open(state: ShardState, module: nn.Module, compute_dtype: torch.dtype) -> None:
     """Gather the unit for forward (a no-op when it is gathered already) and prefetch the next in the schedule."""
-    unit = state.unit
+    gather = state.params.gather
     record = state.record
     record.full_precision_now = state.full_precision_in_eval and not module.training
     # Kept unsharded since an in-place update: gather again (start_gather does so for another precision too).
-    if unit.gather.state is UnitState.UNSHARDED and unit.is_stale():
-        unit.gather.reshard()
-    unit.gather.explicit = False  # an fc.unshard issued before this forward is consumed here
+    if gather.state is UnitState.UNSHARDED and state.params.is_stale():
+        gather.reshard()
+    gather.explicit = False  # an fc.unshard issued before this forward is consumed here
     record.kept_unsharded = False
     state.start_gather(async_op=False, dtype=compute_dtype)
-    unit.gather.finish()
-    unit.grads.accumulating = not state.reduces_now  # after the gather: a cast adopted there rebuilds the grads
-    unit.grads.input.note_accumulators()
+    gather.finish()
+    grads = state.grads  # after the gather: a cast adopted there rebuilt the gradient side
+    grads.accumulating = not state.reduces_now
+    grads.input.note_accumulators()
     record.opened = True
     record.entered = True
     record.opening_needs_backward = False
@@ -166,7 +167,7 @@ def _open(state: ShardState, module: nn.Module, compute_dtype: torch.dtype) -> N
 @_outside_compile
 def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -> Any:
     """Also runs when forward raised (``always_call``): ``output`` is then None and the call just ends."""
-    with labelled(f"fsdp_compose::post_forward[{state.unit.owner_name}]"):
+    with labelled(f"fsdp_compose::post_forward[{state.params.owner_name}]"):
         output = cast_outputs(state, module, output)
         if torch._C._current_graph_task_id() != -1:
             return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
@@ -207,16 +208,16 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
 # ---------------------------------------------------------------------- the backward
 @_outside_compile
 def pre_backward(state: ShardState, node: object = None) -> None:
-    with labelled(f"fsdp_compose::pre_backward[{state.unit.owner_name}]"):
+    with labelled(f"fsdp_compose::pre_backward[{state.params.owner_name}]"):
         compiled_autograd = torch._dynamo.compiled_autograd
         if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
-            raise compiled_autograd_error(state.unit.owner_name)  # before the unit issues any collective of it
+            raise compiled_autograd_error(state.params.owner_name)  # before the unit issues any collective of it
         step = state.ctx
         if not isinstance(step, StepContext):
             state.gather_now()
             return
         if not state.unshard_in_backward:
-            check_backward_reads_none_of(state.unit.owner_name, node, state.unit.shards.params)
+            check_backward_reads_none_of(state.params.owner_name, node, state.params.shards.params)
         step.begin_backward(node)
         if step.backward is not None:
             step.backward.gather_for_backward(state)
@@ -230,7 +231,7 @@ def post_backward(state: ShardState) -> None:
     step = state.ctx
     walk = step.backward if isinstance(step, StepContext) else None
     if walk is not None:
-        with labelled(f"fsdp_compose::post_backward[{state.unit.owner_name}]"):
+        with labelled(f"fsdp_compose::post_backward[{state.params.owner_name}]"):
             walk.call_backward_done(state)
 
 
@@ -245,14 +246,14 @@ def lazy_init(root: ShardState) -> StepContext:
                 seen.add(id(state))
                 states.append(state)
     for state in states:
-        state.unit.shards.check_materialized()
+        state.params.shards.check_materialized()
     for state in states:
         state.root = root
         state.ctx = None
     step = StepContext(root, states)
     for state in states:
         state.ctx = step
-    logger.debug("lazy init: root %s with %d units", root.unit.owner_name, len(states))
+    logger.debug("lazy init: root %s with %d units", root.params.owner_name, len(states))
     return step
 
 
@@ -337,7 +338,7 @@ def _note_recomputable(state: ShardState, entry: ForwardCall, args: tuple[Any, .
     open_calls = []
     if root is not None and root is not state:
         open_calls = [e for calls in root.record.calls.values() for e in calls]
-    if open_calls and open_calls[-1].grad_enabled and state.unit.grads.trainable:
+    if open_calls and open_calls[-1].grad_enabled and state.grads.trainable:
         entry.inputs, entry.anchor = [], open_calls[-1]
 
 

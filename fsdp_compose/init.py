@@ -45,7 +45,7 @@ from .policies import (
 )
 from .state import STATE_ATTR, ShardState, states_under
 from .subclass_params import check_subclass_param, has_fsdp_hooks, is_tensor_subclass
-from .unit import ShardedUnit
+from .unit import UnitParams
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +162,8 @@ def fully_shard(
         _move_buffers(m, device)
     owners_of = {id(p): owners for _, p, owners in params}
     for child_state, param in lifts:  # tied parameters move up from a submodule's unit into this one
-        owners_of[id(param)].extend(child_state.unit.release(param))
-    unit = ShardedUnit(
+        owners_of[id(param)].extend(child_state.release(param))
+    unit_params = UnitParams(
         params,
         placings,
         mesh,
@@ -175,8 +175,8 @@ def fully_shard(
         extensions,
         offload_policy,
     )
-    unit.gather.post_forward = post_forward_group_for(reshard_after_forward, mesh)
-    unit.gather.hook_policy = torch_fsdp.MixedPrecisionPolicy(
+    unit_params.gather.post_forward = post_forward_group_for(reshard_after_forward, mesh)
+    unit_params.gather.hook_policy = torch_fsdp.MixedPrecisionPolicy(
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
         output_dtype=mp_policy.output_dtype,
@@ -184,7 +184,7 @@ def fully_shard(
     )
     state = ShardState(
         tuple(modules),
-        unit,
+        unit_params,
         mesh,
         device,
         reshard_after_forward,
@@ -201,8 +201,8 @@ def fully_shard(
         logger.debug(
             "fully_shard on %s: %d parameters (%d kept whole), mesh %s %s, %s, reshard_after_forward=%s%s",
             owner_name,
-            len(unit.shards.params),
-            sum(mp.slot is None for mp in unit.shards.params),
+            len(unit_params.shards.params),
+            sum(mp.slot is None for mp in unit_params.shards.params),
             tuple(mesh.shape),
             mesh.mesh_dim_names,
             _precision_text(mp_policy),
@@ -401,11 +401,11 @@ def _collect_params(
                 continue  # torch's replicate() owns its parameters (and their gradient all-reduce), as in FSDP2
             if get_state(child) is not None:
                 for state in states_under(child):
-                    for mp in state.unit.shards.params:
+                    for mp in state.params.shards.params:
                         original = mp.original() if mp.original is not None else None
                         if original is not None:
                             taken[id(original)] = state
-                        sharded_by_child[id(mp.sharded)] = state.unit.owner_name
+                        sharded_by_child[id(mp.sharded)] = state.params.owner_name
                 continue
             visit(child, prefix + child_name + ".")
 
@@ -444,7 +444,7 @@ def _collect_params(
     for state, _ in lifts:
         if state.root is not None:
             raise ValueError(
-                f"a parameter of the unit on {state.unit.owner_name} is tied to one used by {owner_name}, but that "
+                f"a parameter of the unit on {state.params.owner_name} is tied to one used by {owner_name}, but that "
                 "unit already ran a forward; call fully_shard on every module before the first forward"
             )
     return list(entries.values()), lifts

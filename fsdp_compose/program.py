@@ -115,7 +115,9 @@ class StepSchedule:
         """``names``: id(state) -> the name to print (module paths; default: the unit's class names)."""
         self.root = root
         named = names or {}
-        self.units = [ScheduledUnit(i, s, named.get(id(s), s.unit.owner_name), s is root) for i, s in enumerate(states)]
+        self.units = [
+            ScheduledUnit(i, s, named.get(id(s), s.params.owner_name), s is root) for i, s in enumerate(states)
+        ]
         self.names = {id(u.state): u.name for u in self.units}
         self.position = {id(s): i for i, s in enumerate(states)}
         others = [s for s in states if s is not root]
@@ -128,7 +130,7 @@ class StepSchedule:
         # parameters are moved (a tie) only by fully_shard, before the root's lazy init makes its schedule.
         self.parameters = 0
         for state in states:
-            self.parameters += len(state.unit.shards.params)
+            self.parameters += len(state.params.shards.params)
 
     @property
     def states(self) -> list[ShardState]:
@@ -159,7 +161,7 @@ class StepSchedule:
 
     def full_backward(self) -> Program:
         """The program of a backward that every unit takes part in (what a step that runs all of them issues)."""
-        size = math.prod(group.size() for group in self.root.unit.dp.agreement_groups)
+        size = math.prod(group.size() for group in self.root.params.dp.agreement_groups)
         control = ("data-parallel", size) if size > 1 else None
         return backward_program(self, self.states, live=False, control=control)
 
@@ -238,8 +240,8 @@ class Program:
 
 def gathers(state: ShardState) -> bool:
     """Does the unit's gather move anything between ranks (the flat segment, or its protocol parameters)?"""
-    unit = state.unit
-    return unit.world_size > 1 and (unit.shards.layout.segment_numel > 0 or not unit.shards.uniform)
+    params = state.params
+    return params.world_size > 1 and (params.shards.layout.segment_numel > 0 or not params.shards.uniform)
 
 
 def gathers_in_backward(state: ShardState, *, live: bool, is_root: bool = False) -> bool:
@@ -250,18 +252,17 @@ def gathers_in_backward(state: ShardState, *, live: bool, is_root: bool = False)
         return False
     if not live:
         return reshards_after_forward(state.reshard_after_forward_setting, is_root=is_root)
-    unit = state.unit
-    return unit.gather.needs_gather or unit.gather.compute_dtype != state.compute_dtype(state.modules[0])
+    gather = state.params.gather
+    return gather.needs_gather or gather.compute_dtype != state.compute_dtype(state.modules[0])
 
 
 def _gather(state: ShardState, name: str, phase: str, *, post_forward: bool) -> Operation:
-    unit = state.unit
-    group = (
-        unit.gather.post_forward.group if post_forward and unit.gather.post_forward is not None else unit.dp.shard_group
-    )
+    params = state.params
+    group_reshard = params.gather.post_forward
+    group = group_reshard.group if post_forward and group_reshard is not None else params.dp.shard_group
     numel = None  # sized by the gather plan, or by an extension's encode
-    if unit.shards.uniform and unit.extensions.all_gather is None:
-        numel = unit.world_size * unit.shards.layout.segment_numel
+    if params.shards.uniform and params.extensions.all_gather is None:
+        numel = params.world_size * params.shards.layout.segment_numel
     return Operation(
         "all_gather",
         name,
@@ -328,7 +329,7 @@ def backward_program(
                 continue
             reached.add(id(target))
             if gathers_in_backward(target, live=live, is_root=target is schedule.root):
-                gather = target.unit.gather
+                gather = target.params.gather
                 grouped = gather.state is UnitState.GROUP_SHARDED if live else gather.post_forward is not None
                 program.add(_gather(target, names[id(target)], "backward", post_forward=grouped))
     for state in schedule.reduce_order:
@@ -344,13 +345,13 @@ def backward_program(
 def reductions(state: ShardState, name: str, *, flagged: bool) -> list[Operation]:
     """The reduce-scatter (over the shard group's reduce-scatter group) and the HSDP all-reduce over replicas a unit
     issues in a backward that reduces it."""
-    unit, grads = state.unit, state.unit.grads
+    params, grads = state.params, state.grads
     if not grads.trainable or not state.reduces_now:
         return []
     found = []
     spec = grads.spec
     width = grads.input.layout.segment_numel + grads.input.rows.tail(flagged)
-    if unit.world_size > 1:
+    if params.world_size > 1:
         group = spec.reduce_group
         found.append(
             Operation(
@@ -360,11 +361,11 @@ def reductions(state: ShardState, name: str, *, flagged: bool) -> list[Operation
                 str(group.group_name),
                 group.size(),
                 spec.reduce_dtype,
-                width * unit.world_size,
+                width * params.world_size,
                 id(state),
             )
         )
-    replicas = unit.dp.replicate_group
+    replicas = params.dp.replicate_group
     if replicas is not None and state.requires_all_reduce:
         found.append(
             Operation(
@@ -493,7 +494,7 @@ def start_agreement(
     schedule's fingerprint, over ``group`` (``agreement_group``). Nothing waits for it here."""
     expected = expected if expected is not None else [False] * schedule.parameters
     held = held if held is not None else [0] * len(schedule.units)
-    owner = schedule.root.unit.owner_name
+    owner = schedule.root.params.owner_name
     if group is None:
         return PendingAgreement(None, None, reached, expected, held, abandoning=abandoning, checks=checks, owner=owner)
     world = dist.get_world_size()

@@ -1,11 +1,11 @@
 """A unit's state: what one ``fully_shard`` call attached (``ShardState``) and the root's step's record of it.
 
 ``fully_shard`` attaches one ``ShardState`` to the module instance (an attribute; no class swap, no registry): the
-modules, the unit (its parameters and gradients: unit.py), the settings the ``fc.set_*`` functions change. What one
-step did with the unit so far lives apart, in its ``UnitStepRecord``, written only by the step (hooks.py for the
-forward's calls, step.py at the step's boundaries, backward.py's walk): the settings outlive steps, the record is
-forgotten by each new one. A ``ForwardCall`` is the record of one forward call: which autograd nodes its backward
-runs.
+modules, the unit (its parameters, unit.py, and its gradients, grads.py), the settings the ``fc.set_*`` functions
+change. What one step did with the unit so far lives apart, in its ``UnitStepRecord``, written only by the step
+(hooks.py for the forward's calls, step.py at the step's boundaries, backward.py's walk): the settings outlive steps,
+the record is forgotten by each new one. A ``ForwardCall`` is the record of one forward call: which autograd nodes
+its backward runs.
 
 This module is below the step: the hooks (hooks.py) make the root's ``step.StepContext`` at lazy init; a state knows
 it as a ``StepOwner`` only, for the two things the layers below ask it (the backward's walk, which takes a full
@@ -25,9 +25,9 @@ from torch.autograd.graph import Node
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import wait_for_compute
-from .grads import gradient_node
+from .grads import UnitGradients, gradient_node
 from .policies import MixedPrecisionPolicy, PrefetchPoint
-from .unit import ShardedUnit, UnitState
+from .unit import UnitParams, UnitState
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
@@ -232,12 +232,14 @@ class UnitStepRecord:
 
 
 class ShardState:
-    """Everything one ``fully_shard`` call attached: its modules, its unit, its settings; the step's record of it."""
+    """Everything one ``fully_shard`` call attached: its modules, its unit (``params`` and ``grads``), its settings;
+    the step's record of it. Changes to the parameters that the gradients must follow (a cast, a trainability
+    change, a tie moving out) go through here, the owner of both."""
 
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        unit: ShardedUnit,
+        params: UnitParams,
         mesh: DeviceMesh,
         device: torch.device,
         reshard_after_forward: bool | int | None,
@@ -245,13 +247,14 @@ class ShardState:
         auto_refresh_trainable: bool,
     ) -> None:
         self.modules = modules
-        self.unit = unit
+        self.params = params
+        self.grads = UnitGradients(params.reduce_spec(), params.shards.params)
         self.mesh = mesh
         self.device = device
         self.mp_policy = mp_policy
         self.auto_refresh_trainable = auto_refresh_trainable
         # Settings (changed through the fc.set_* functions).
-        # None: decided at lazy init (the root keeps); an int k: keep 1/k per rank (see ShardedUnit.reshard_to_group)
+        # None: decided at lazy init (the root keeps); an int k: keep 1/k per rank (see UnitGather.reshard_to_group)
         self.reshard_after_forward_setting = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -271,7 +274,7 @@ class ShardState:
         self.root: ShardState | None = None
         self.ctx: StepOwner | None = None  # the root's step, on every state under it
         self.record = UnitStepRecord()
-        unit.gather.fulls.hooks = weakref.ref(self)  # its full parameters' gradient hooks call gradient_made
+        params.gather.fulls.hooks = weakref.ref(self)  # its full parameters' gradient hooks call gradient_made
 
     # ------------------------------------------------------------------ root and settings as they act
     @property
@@ -287,14 +290,14 @@ class ShardState:
     def gradients_final(self) -> bool:
         """This backward delivers final gradients (an optimizer step may follow): synced, and all-reduced over
         replicas where there are any."""
-        replicas = self.unit.dp.replicate_group is not None
+        replicas = self.params.dp.replicate_group is not None
         return self.requires_gradient_sync and (self.requires_all_reduce or not replicas)
 
     # ------------------------------------------------------------------ gathering
     def compute_dtype(self, module: nn.Module) -> torch.dtype:
         """The dtype ``module`` computes in now: the policy's ``param_dtype``, else the parameters' own dtype (also
         in eval under ``full_precision_in_eval``)."""
-        own = self.unit.shards.dtype
+        own = self.params.shards.dtype
         if self.full_precision_in_eval and not module.training:
             return own
         return self.mp_policy.param_dtype or own
@@ -305,35 +308,35 @@ class ShardState:
         ``dtype``: the compute dtype of the module being entered (default: the unit's first module's)."""
         if dtype is None:
             dtype = self.compute_dtype(self.modules[0])
-        gather = self.unit.gather
+        gather = self.params.gather
         if gather.state is not UnitState.SHARDED and gather.compute_dtype != dtype:
             gather.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
         changed = gather.state is UnitState.SHARDED and self.params_changed()
         if changed:
-            self.unit.adopt_if_changed()  # changed since the step began: a gather outside the root's forward
+            self.adopt_changes()  # changed since the step began: a gather outside the root's forward
         if gather.needs_gather:
             # on the root's side stream for all-gather copy-in (None on a CPU device or before lazy init), which
             # waited for the compute stream at the step's start; again where the shards may have been written since
             ctx = self.ctx
             stream = None if ctx is None else ctx.gather_stream
             if stream is not None and ctx is not None and (changed or ctx.phase is StepPhase.IDLE):
-                wait_for_compute(stream, self.unit.device)
+                wait_for_compute(stream, self.params.device)
             gather.start(dtype, async_op=async_op, stream=stream)
 
     def gather_now(self) -> None:
         self.start_gather(async_op=False)
-        self.unit.gather.finish()
+        self.params.gather.finish()
 
     def params_changed(self) -> bool:
         """Did the user change a parameter of this unit since the last step: replace or cast it (the module holds
         another object, or the sharded parameter no longer views the unit's flat buffer), flip its
         ``requires_grad``, or attach FSDP2's all-gather hooks? One identity pass over the parameters at every step
-        start; what a change means is ``ShardedUnit.adopt_if_changed`` and ``refresh_trainable``."""
-        unit = self.unit
-        if unit.shards.defer_hookless:
+        start; what a change means is ``adopt_changes`` and ``refresh_trainable``."""
+        params = self.params
+        if params.shards.defer_hookless:
             return True
-        gathered = unit.gather.state is not UnitState.SHARDED
-        for mp in unit.shards.params:
+        gathered = params.gather.state is not UnitState.SHARDED
+        for mp in params.shards.params:
             module, name = mp.owners[0]
             held: object = module._parameters.get(name)
             full = mp.full
@@ -346,6 +349,44 @@ class ShardState:
                 return True
         return False
 
+    def adopt_changes(self) -> None:
+        """Pick up parameters replaced or cast since the last gather (``UnitParams.adopt_if_changed``); a cast
+        rebuilds the gradient side in the new dtype."""
+        before = self.params.shards.dtype
+        self.params.adopt_if_changed()
+        if self.params.shards.dtype != before:
+            if self.grads.has_pending():
+                raise RuntimeError(
+                    f"the parameters of {self.params.owner_name} were cast from {before} to "
+                    f"{self.params.shards.dtype} while no-sync gradients are pending; cast the model between "
+                    "optimizer steps"
+                )
+            self.grads = self.grads.rebuilt(self.params.reduce_spec(), self.params.shards.params)
+
+    def refresh_trainable(self) -> bool:
+        """Catch up with ``requires_grad`` changes (``UnitParams.apply_trainability``) and lay the gradient side out
+        for them. Returns whether anything changed."""
+        params = self.params
+        if not params.trainability_changed():
+            return False
+        if self.grads.has_pending():
+            self.grads.refresh(params.shards.params)  # raises: gradients from no-sync micro-batches would be lost
+        params.apply_trainability()
+        self.grads.refresh(params.shards.params)
+        spec = params.reduce_spec()
+        if spec != self.grads.spec:  # a unit of several dtypes: which are trainable decides the reduce dtype
+            self.grads = self.grads.rebuilt(spec, params.shards.params)
+        return True
+
+    def release(self, original: nn.Parameter) -> list[tuple[nn.Module, str]]:
+        """Stop managing the parameter that replaced ``original``: it moves to an enclosing unit (a tie). Returns the
+        (module, attribute) pairs that held it."""
+        if self.params.gather.state is not UnitState.SHARDED or self.grads.has_pending():
+            raise RuntimeError(f"cannot move a tied parameter out of {self.params.owner_name} while it is in use")
+        owners = self.params.release(original)
+        self.grads.refresh(self.params.shards.params)
+        return owners
+
     # ------------------------------------------------------------------ gradients
     def gradient_made(self, mp: ManagedParam) -> None:
         """Post-accumulate-grad hook of one of the unit's full parameters: the backward's walk takes the gradient
@@ -354,21 +395,23 @@ class ShardState:
         if walk is not None:
             walk.gradient_made(self, mp)
         else:
-            self.unit.grads.capture(mp)
+            self.grads.capture(mp)
 
     def __repr__(self) -> str:
         modules = ", ".join(type(m).__name__ for m in self.modules)
         root = None if self.root is None else self.root is self  # None: decided at the first forward
         phase = "forward" if self.record.active else "awaiting_backward" if self.record.entries else "idle"
-        return f"ShardState([{modules}], root={root}, phase={phase}, unit={self.unit!r})"
+        return f"ShardState([{modules}], root={root}, phase={phase}, params={self.params!r})"
 
     # ------------------------------------------------------------------ copy.deepcopy
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardState:
         new = object.__new__(ShardState)
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)
-        new.unit = self.unit.copy_for(memo)
-        new.unit.gather.fulls.hooks = weakref.ref(new)
+        new.params = self.params.copy_for(memo)
+        new.params.gather.fulls.hooks = weakref.ref(new)
+        new.grads = UnitGradients(new.params.reduce_spec(), new.params.shards.params)
+        new.grads.take_settings(self.grads)
         new.modules = tuple(copy.deepcopy(m, memo) for m in self.modules)
         new.forward_prefetch = copy.deepcopy(self.forward_prefetch, memo)
         new.backward_prefetch = copy.deepcopy(self.backward_prefetch, memo)

@@ -71,7 +71,7 @@ class StepContext:
         self.programs: list[Program] = []  # the programs of this step's backwards, as compiled (program.py)
         # This backward's agreement (program.py), until the final callback reads it; the group it goes over.
         self.agreement: PendingAgreement | None = None
-        self.agreement_group = agreement_group(root.unit.dp)
+        self.agreement_group = agreement_group(root.params.dp)
         # The step already ended on every rank (this rank raised StepAbandoned, or its fc.reset_step met the others
         # in the agreement): another fc.reset_step has nothing left to do, on any rank.
         self.ended_everywhere = False
@@ -94,11 +94,13 @@ class StepContext:
 
     def _where(self, state: ShardState | None = None) -> str:
         """Rank, unit and schedule position, for internal errors."""
-        rank = self.root.unit.dp.shard_rank
+        rank = self.root.params.dp.shard_rank
         bp = self.backward
         position = "" if bp is None else f", gather cursor {bp.gather_cursor}, reduce cursor {bp.reduce_cursor}"
         unit = (
-            "" if state is None else f" unit {state.unit.owner_name} (position {self.schedule.position.get(id(state))})"
+            ""
+            if state is None
+            else f" unit {state.params.owner_name} (position {self.schedule.position.get(id(state))})"
         )
         return f"shard rank {rank}{unit}, step phase {self.phase.value}{position}"
 
@@ -124,22 +126,22 @@ class StepContext:
         continuing = self.phase is StepPhase.AWAITING_BACKWARD and pending
         self.forward_raised = False
         for state in self.states:
-            unit = state.unit
-            unit.grads.drop_if_user_zeroed()
+            params = state.params
+            state.grads.drop_if_user_zeroed()
             # Anything left gathered is freed (a prefetch nobody used, parameters kept after a forward, a group
             # block): the same on every rank, whatever its garbage collector did with old graphs. Kept only by
             # policy (kept_unsharded) or by fc.unshard (explicit).
-            kept = unit.gather.explicit or state.record.kept_unsharded
-            if not kept and unit.gather.state is not UnitState.SHARDED:
-                unit.gather.reshard()
+            kept = params.gather.explicit or state.record.kept_unsharded
+            if not kept and params.gather.state is not UnitState.SHARDED:
+                params.gather.reshard()
             if continuing:
                 state.record.forget_forward()
             else:
                 state.record.forget_step()
             if state.params_changed():
-                unit.adopt_if_changed()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
-                if state.auto_refresh_trainable and unit.refresh_trainable():
-                    logger.debug("trainability of %s changed: refreshed", unit.owner_name)
+                state.adopt_changes()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
+                if state.auto_refresh_trainable and state.refresh_trainable():
+                    logger.debug("trainability of %s changed: refreshed", params.owner_name)
         # The side stream's all-gathers read the shards, which the optimizer (and any re-layout above) wrote on the
         # compute stream: it waits for them once here, not at every gather (gathers outside a step wait themselves).
         if self.gather_stream is not None:
@@ -194,7 +196,7 @@ class StepContext:
         # Until the final callback knows no rank abandoned the step, reduced rows wait there (delivery.py).
         hold = not read or bool(agreed.quitting)
         for state in self.states:
-            state.unit.grads.delivery.hold = hold
+            state.grads.delivery.hold = hold
         _decide_flag_columns(self.states, agreed)
         for state in self.states:
             recomputes = 0
@@ -205,7 +207,7 @@ class StepContext:
         # This backward's program (program.py), from its agreed participants and the state the forward left.
         flags = {}
         for state in walk.reduce_order:
-            flags[id(state)] = state.unit.grads.next_layout()
+            flags[id(state)] = state.grads.next_layout()
         group = self.agreement_group
         control = None if group is None else (str(group.group_name), group.size())
         walk.program = backward_program(self.schedule, walk.gather_order, live=True, control=control, flags=flags)
@@ -235,22 +237,22 @@ class StepContext:
                 self.ended_everywhere = True
                 raise StepAbandoned(
                     f"fsdp_compose: rank(s) {quitting} abandoned this step (fc.reset_step) while this rank ran its "
-                    f"backward under {self.root.unit.owner_name}: no gradient of it is kept on any rank. Skip the "
+                    f"backward under {self.root.params.owner_name}: no gradient of it is kept on any rank. Skip the "
                     "step (fc.reset_step here does nothing more); the next forward starts a new one"
                 )
             for state in self.states:
-                state.unit.grads.input.flags_needed = True  # what reduces outside a backward cannot know who has what
-                state.unit.grads.delivery.hold = False
+                state.grads.input.flags_needed = True  # what reduces outside a backward cannot know who has what
+                state.grads.delivery.hold = False
                 state.record.recomputes_due = 0
             for state in bp.gather_order:
-                grads = state.unit.grads
+                grads = state.grads
                 grads.delivery.settle()  # the one point where the host waits for device-to-host copies of gradients
                 if grads.has_pending():  # held past this backward (no-sync): ``.grad`` tells if the user drops them
                     grads.delivery.mark_held()
                 # Full parameters stay across a backward only where asked and no optimizer step can follow it: a
                 # step's update through ``.data`` would bump no version counter to tell they are stale.
                 keep = not state.reshard_after_backward and not state.gradients_final
-                gather = state.unit.gather
+                gather = state.params.gather
                 if not keep and gather.state is not UnitState.SHARDED:
                     gather.reshard()
                 if gather.state is UnitState.GATHERING:
@@ -266,13 +268,13 @@ class StepContext:
                     else:
                         waiting.append(entry)
                 record.entries = waiting
-                if state.unit.shards.replaced.refs:  # none alive, the usual case: nothing to arm
-                    state.unit.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
+                if state.params.shards.replaced.refs:  # none alive, the usual case: nothing to arm
+                    state.params.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
             # Calls no backward has run yet (pipelined micro-batches, the body under a chunked loss) keep the step
             # waiting for theirs.
             held = pending = False
             for state in self.states:
-                held = held or state.unit.grads.state is GradState.ACCUMULATING
+                held = held or state.grads.state is GradState.ACCUMULATING
                 pending = pending or bool(state.record.entries)
             self.gradients_held = held
             self.draining = False
@@ -289,11 +291,11 @@ class StepContext:
         """
         logger.warning(
             "%s: the step did not finish (an exception, or fc.reset_step): gradients not yet in .grad are dropped",
-            self.root.unit.owner_name,
+            self.root.params.owner_name,
         )
         for state in self.states:
-            state.unit.grads.dropping = True
-            for mp in state.unit.shards.params:
+            state.grads.dropping = True
+            for mp in state.params.shards.params:
                 if mp.full is not None:
                     mp.full.grad = None  # partial; the reductions below carry zeros in their place
         walked = self.backward is not None and not agreed
@@ -306,10 +308,10 @@ class StepContext:
             _closing_word(self, abandoning=True)  # the others raise StepAbandoned at the end of their backward
             self.ended_everywhere = True
         for state in self.states:
-            state.unit.grads.delivery.hold = False
-            state.unit.grads.discard()
-            if state.unit.gather.state is not UnitState.SHARDED:
-                state.unit.gather.reshard()
+            state.grads.delivery.hold = False
+            state.grads.discard()
+            if state.params.gather.state is not UnitState.SHARDED:
+                state.params.gather.reshard()
             state.record.forget_step()
             state.record.kept_unsharded = False
         self.gradients_held = False
@@ -331,7 +333,7 @@ def reset_current_step(step: StepContext) -> None:
         # This rank's forward stopped at an exception; the others (if it raised here only) go on through theirs:
         # issue the forward all-gathers they issue after that point, in registration order.
         for state in step.states:
-            if not state.record.entered and state.unit.gather.needs_gather and not state.unit.gather.explicit:
+            if not state.record.entered and state.params.gather.needs_gather and not state.params.gather.explicit:
                 state.gather_now()
         step.forward_raised = False
     if step.backward is None:
@@ -347,16 +349,16 @@ def reset_current_step(step: StepContext) -> None:
         if any(agreed.participants):
             step.backward = _zero_walk(step, agreed, replayed=replayed)
         step.ended_everywhere = True
-    if step.backward is not None or any(s.unit.grads.has_pending() for s in step.states):
+    if step.backward is not None or any(s.grads.has_pending() for s in step.states):
         step.abandon()
     _forget_step(step)
 
 
 def _forget_step(step: StepContext) -> None:
     for state in step.states:
-        state.unit.gather.explicit = False
-        if state.unit.gather.state is not UnitState.SHARDED:
-            state.unit.gather.reshard()
+        state.params.gather.explicit = False
+        if state.params.gather.state is not UnitState.SHARDED:
+            state.params.gather.reshard()
         state.record.forget_step()
         state.record.kept_unsharded = False
     step.backward = None
@@ -372,7 +374,7 @@ def _to_device(device: torch.device, value: Any) -> Any:
 def keep_for_next_forward(state: ShardState) -> None:
     """A unit still gathered by a forward whose backward has not run yet stays gathered through the next root
     forward (a pipeline stage's next micro-batch), as FSDP2 keeps it: that forward would free and gather it again."""
-    if state.record.entries and state.unit.gather.state is UnitState.UNSHARDED:
+    if state.record.entries and state.params.gather.state is UnitState.UNSHARDED:
         state.record.kept_unsharded = True
 
 
@@ -384,7 +386,7 @@ def close_unit(state: ShardState) -> None:
         return
     record.opened = False
     record.pending_modules = set()
-    gather = state.unit.gather
+    gather = state.params.gather
     if not record.opening_needs_backward:
         gather.reshard()
     elif state.reshard_after_forward:
@@ -499,8 +501,8 @@ def _as_after_forward(states: list[ShardState]) -> None:
     their parameters (``_zero_walk`` then issues no backward all-gather for them, also where this rank's failed
     forward freed them)."""
     for state in states:
-        if state.reshard_after_forward and not state.unit.gather.explicit:
-            state.unit.gather.reshard()
+        if state.reshard_after_forward and not state.params.gather.explicit:
+            state.params.gather.reshard()
 
 
 def _agree(step: StepContext, reached: list[bool]) -> tuple[PendingAgreement, Agreement | None]:
@@ -516,9 +518,9 @@ def _agree(step: StepContext, reached: list[bool]) -> tuple[PendingAgreement, Ag
     acts_on_delivery = False
     for state in step.states:
         checks = checks or state.collective_checks
-        grads = state.unit.grads
+        grads = state.grads
         acts_on_delivery = acts_on_delivery or grads.delivery.on_finished is not None
-        for mp in state.unit.shards.params:
+        for mp in state.params.shards.params:
             got = mp.trainable and grads.input.expects_gradient(mp)
             expected.append(got)
             every_gradient = every_gradient and (got or not mp.trainable)
@@ -532,7 +534,7 @@ def _agree(step: StepContext, reached: list[bool]) -> tuple[PendingAgreement, Ag
     layouts_known = True
     if step.gradients_held:
         for layout, state in zip(held, step.states, strict=True):
-            layouts_known = layouts_known and bool(layout or not state.unit.grads.trainable)
+            layouts_known = layouts_known and bool(layout or not state.grads.trainable)
     if not checks and all(reached) and every_gradient and layouts_known and not acts_on_delivery:
         return pending, Agreement(reached, expected, [], held)
     return pending, None
@@ -542,7 +544,7 @@ def _held_layouts(states: list[ShardState]) -> list[int]:
     """Per unit, the layout this rank holds partial gradients in (``Agreement.held_layout``)."""
     found = []
     for state in states:
-        held = state.unit.grads.held_layout()
+        held = state.grads.held_layout()
         found.append(0 if held is None else 2 if held else 1)
     return found
 
@@ -554,11 +556,11 @@ def _decide_flag_columns(states: list[ShardState], agreed: Agreement) -> None:
     index = 0
     for unit_index, state in enumerate(states):
         needed = False
-        for mp in state.unit.shards.params:
+        for mp in state.params.shards.params:
             needed = needed or (mp.trainable and not agreed.gradient_somewhere[index])
             index += 1
         layout = agreed.held_layout[unit_index]
-        state.unit.grads.input.flags_needed = needed if layout == 0 else layout == 2
+        state.grads.input.flags_needed = needed if layout == 0 else layout == 2
 
 
 def _recomputes_inside(running_calls: dict[int, list[ForwardCall]]) -> bool:

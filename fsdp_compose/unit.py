@@ -1,19 +1,21 @@
-"""A unit: the parameters of one ``fully_shard`` call, and the one object the engine asks about them.
+"""A unit's parameters: the sharded storage, the gather, the full parameters; one ``fully_shard`` call's worth.
 
-A unit is made of three parts, each in its own file, which know nothing of each other's insides:
+A unit is two objects, both held by its ``ShardState`` (state.py): its parameters (``UnitParams``, here) and its
+gradients (grads.py ``UnitGradients``: the reduce-scatter input and the delivery to ``.grad``). The parameters are
+made of three parts, each in its own file, which know nothing of each other's insides:
 
-- its flat shard buffer(s) and the DTensor parameters viewing them (flat.py ``FlatShard``);
-- its gather state machine (gathering.py ``UnitGather``: all-gather, wait, reshard) and the full parameters the
-  gathered bytes land in (full_params.py ``FullParams``);
-- its gradient side (grads.py ``UnitGradients``), which sees the unit only through a frozen ``ReduceSpec``.
+- the flat shard buffer(s) and the DTensor parameters viewing them (flat.py ``FlatShard``);
+- the gather state machine (gathering.py ``UnitGather``: all-gather, wait, reshard), which owns the full parameters
+  the gathered bytes land in (full_params.py ``FullParams``).
 
-What stays here is what concerns all three at once, and so needs their owner: which dtypes the unit computes and
-reduces in; catching up with parameters the user replaced, cast or (un)froze since the last step (each may
-re-lay out the shards and rebuild the gradient side); moving a tied parameter out to an enclosing unit; and
-``copy.deepcopy``. The engine (hooks.py, step.py, backward.py) calls the parts directly: ``unit.gather`` (start,
-wait, reshard, state), ``unit.shards`` (parameters, layout) and ``unit.grads``. Nothing here runs in a step that
-changes nothing: the step's start and every gather from the shards ask ``ShardState.params_changed`` (one identity
-pass) and come here only for a change (``adopt_if_changed``, ``refresh_trainable``).
+What stays here is what concerns the parameters as a whole: which dtypes the unit computes and reduces in (the
+``ReduceSpec`` its gradient side is built from); catching up with parameters the user replaced, cast or (un)froze
+since the last step (each may re-lay out the shards); moving a tied parameter out to an enclosing unit; and
+``copy.deepcopy``. What a change means for the gradients (a rebuild in another dtype, a new layout) the state does,
+which owns both. The engine (hooks.py, step.py, backward.py) calls the parts directly: ``params.gather`` (start, wait,
+reshard, state) and ``params.shards`` (parameters, layout). Nothing here runs in a step that changes nothing: the
+step's start and every gather from the shards ask ``ShardState.params_changed`` (one identity pass) and come here
+only for a change.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from .extensions import ShardExtensions
 from .flat import FlatShard, ManagedParam
 from .full_params import FullParams
 from .gathering import UnitGather, UnitState
-from .grads import ReduceSpec, UnitGradients
+from .grads import ReduceSpec
 from .meshes import DataParallelMesh, ParamPlacing, reduce_scatter_group
 from .offload import UnitDevices
 from .policies import OffloadPolicy
@@ -41,10 +43,10 @@ from .subclass_params import check_hooks_added
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ShardedUnit", "UnitState"]
+__all__ = ["UnitParams", "UnitState"]
 
 
-class ShardedUnit:
+class UnitParams:
     """Parameters of one ``fully_shard`` call, sharded on dim 0 over the data-parallel mesh's shard group."""
 
     def __init__(
@@ -72,7 +74,6 @@ class ShardedUnit:
         self.policy_param_dtype = param_dtype  # None: the parameters' own dtype
         self.policy_reduce_dtype = reduce_dtype  # None: the compute dtype
         self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
-        self.grads = UnitGradients(self._reduce_spec(), self.shards.params)
         # What a protocol parameter's hooks receive (torch's policy class); fully_shard sets the whole policy
         self._attach_gather(torch_fsdp.MixedPrecisionPolicy(param_dtype, reduce_dtype))
 
@@ -93,7 +94,7 @@ class ShardedUnit:
         dtype = str(self.orig_dtype).removeprefix("torch.")
         compute = "" if self.policy_param_dtype is None else f", param_dtype={self.policy_param_dtype}"
         return (
-            f"ShardedUnit({self.owner_name}, mesh={tuple(mesh.shape)} {mesh.device_type}{names}, "
+            f"UnitParams({self.owner_name}, mesh={tuple(mesh.shape)} {mesh.device_type}{names}, "
             f"params={len(params)}, numel={total}, local_numel={local} ({self.shard_device.type}), dtype={dtype}"
             f"{compute.replace('torch.', '')}, state={self.gather.state.value})"
         )
@@ -127,7 +128,8 @@ class ShardedUnit:
             widest = torch.promote_types(widest, dtype)
         return widest
 
-    def _reduce_spec(self) -> ReduceSpec:
+    def reduce_spec(self) -> ReduceSpec:
+        """What the unit's gradient side is built from: groups, devices, dtypes, extensions."""
         dtypes = self._trainable_dtypes()
         return ReduceSpec(
             owner_name=self.owner_name,
@@ -165,17 +167,8 @@ class ShardedUnit:
             return
         if self.shards.defer_hookless:  # FSDP2's all-gather hooks: read again before the first gather (torch too)
             self.shards.read_hooks(_added_hooks_check(self))
-        if self.shards.views_intact():
-            return
-        before = self.shards.dtype
-        self.shards.adopt()
-        if self.shards.dtype != before:
-            if self.grads.has_pending():
-                raise RuntimeError(
-                    f"the parameters of {self.owner_name} were cast from {before} to {self.shards.dtype} while "
-                    "no-sync gradients are pending; cast the model between optimizer steps"
-                )
-            self.grads = _rebuilt_gradients(self.grads, self._reduce_spec(), self.shards.params)
+        if not self.shards.views_intact():
+            self.shards.adopt()
 
     def has_pending_full_grads(self) -> bool:
         """Full-size ``.grad`` left on full parameters (none between steps: they move into the gradient buffer)."""
@@ -195,17 +188,13 @@ class ShardedUnit:
                 return True
         return False
 
-    def refresh_trainable(self) -> bool:
-        """Catch up with ``requires_grad`` changes: which parameters get full gradients and are reduced, and (under
-        ``frozen_params="replicate"``) which are kept whole. Returns whether anything changed.
+    def apply_trainability(self) -> None:
+        """Take the ``requires_grad`` the module's parameters have now: which get full gradients and (under
+        ``frozen_params="replicate"``) which are kept whole. The caller rebuilds the gradient side after.
 
         Moving a parameter between sharded and whole re-lays out the unit, which all-gathers it once in its
         original dtype: every rank must make the same change (as with any change to the model).
         """
-        if not self.trainability_changed():
-            return False
-        if self.grads.has_pending():
-            self.grads.refresh(self.shards.params)  # raises: gradients from no-sync micro-batches would be lost
         old_whole = [mp.slot is None for mp in self.shards.params]
         for mp in self.shards.params:
             mp.trainable = self.current_requires_grad(mp)
@@ -220,11 +209,6 @@ class ShardedUnit:
             if mp.full is not None:
                 mp.full.requires_grad_(mp.trainable)
                 self.gather.fulls.hook(mp)
-        self.grads.refresh(self.shards.params)
-        spec = self._reduce_spec()
-        if spec != self.grads.spec:  # a unit of several dtypes: which are trainable decides the reduce dtype
-            self.grads = _rebuilt_gradients(self.grads, spec, self.shards.params)
-        return True
 
     def _relayout(self) -> None:
         self.gather.reshard()
@@ -239,14 +223,10 @@ class ShardedUnit:
 
         Returns the (module, attribute) pairs that held it; the caller registers its own parameter there.
         """
-        if self.gather.state is not UnitState.SHARDED or self.grads.has_pending():
-            raise RuntimeError(f"cannot move a tied parameter out of {self.owner_name} while it is in use")
-        released = self.shards.release(original)
-        self.grads.refresh(self.shards.params)
-        return released.owners
+        return self.shards.release(original).owners
 
     # ------------------------------------------------------------------ copy.deepcopy
-    def copy_for(self, memo: dict[int, Any]) -> ShardedUnit:
+    def copy_for(self, memo: dict[int, Any]) -> UnitParams:
         """This unit for a ``copy.deepcopy`` of its modules: same mesh and groups, the copied parameters (adopted at
         the first gather), its own copy of the extensions (hooks may keep state, e.g. error feedback)."""
         if self.gather.state is not UnitState.SHARDED:
@@ -254,18 +234,16 @@ class ShardedUnit:
                 f"copy.deepcopy of a sharded module while its unit {self.owner_name} is {self.gather.state.value}; "
                 "call fc.reshard(module) first (units are resharded between training steps)"
             )
-        new = object.__new__(ShardedUnit)
+        new = object.__new__(UnitParams)
         new.__dict__.update(self.__dict__)
         new.shards = self.shards.copy_for(memo)
         new.extensions = copy.deepcopy(self.extensions, memo)
         new._attach_gather(self.gather.hook_policy)  # SHARDED, nothing in flight, no full parameters yet
         new.gather.post_forward, new.gather.compute_dtype = self.gather.post_forward, self.gather.compute_dtype
-        new.grads = UnitGradients(new._reduce_spec(), new.shards.params)
-        _carry_settings(self.grads, new.grads)
         return new
 
 
-def _added_hooks_check(unit: ShardedUnit) -> Callable[[list[tuple[str, torch.Tensor, int, bool]]], None]:
+def _added_hooks_check(unit: UnitParams) -> Callable[[list[tuple[str, torch.Tensor, int, bool]]], None]:
     """``fully_shard``'s checks on protocol parameters under ``unit``'s settings, for hooks attached to local shards
     since (``subclass_params.check_hooks_added``)."""
     return functools.partial(
@@ -276,19 +254,3 @@ def _added_hooks_check(unit: ShardedUnit) -> Callable[[list[tuple[str, torch.Ten
         all_gather_extension=unit.extensions.all_gather is not None,
         group_reshard=unit.gather.post_forward is not None,
     )
-
-
-def _carry_settings(old: UnitGradients, new: UnitGradients) -> None:
-    """The user's settings of a gradient side (divide factor, FSDP2's all-reduce hook and unused-parameter mode)."""
-    new.divide_factor = old.divide_factor
-    new.delivery.reduced_hook = old.delivery.reduced_hook
-    new.delivery.reduced_hook_stream = old.delivery.reduced_hook_stream
-    new.zero_unused = old.zero_unused
-
-
-def _rebuilt_gradients(old: UnitGradients, spec: ReduceSpec, params: list[ManagedParam]) -> UnitGradients:
-    """The gradient side for new dtypes, keeping its settings and the callbacks set on the old one."""
-    new = UnitGradients(spec, params)
-    _carry_settings(old, new)
-    new.delivery.on_finished = old.delivery.on_finished
-    return new

@@ -33,12 +33,12 @@ def _placements_and_shards(rank: int, ws: int) -> None:
         assert torch.equal(param.to_local(), expected), name
     # one flat buffer per unit: every local shard of a block is a view into that block's buffer
     for block in model.blocks:
-        unit = fc.get_state(block).unit
+        unit = fc.get_state(block).params
         base = unit.shards.flat.untyped_storage().data_ptr()
         for param in block.parameters():
             assert param.to_local().untyped_storage().data_ptr() == base
     # the root's unit excludes the blocks' parameters
-    root_names = {mp.fqn for mp in fc.get_state(model).unit.shards.params}
+    root_names = {mp.fqn for mp in fc.get_state(model).params.shards.params}
     assert root_names == {"tok_emb.weight", "pos_emb", "ln_f.weight", "ln_f.bias", "head.weight"}
 
 
@@ -60,7 +60,7 @@ def _sharded_between_steps(rank: int, ws: int) -> None:
         model(x)
     # torch FSDP2 leaves the root unsharded after a no_grad forward; here every unit is resharded
     assert all(isinstance(p, DTensor) for p in model.parameters())
-    assert all(fc.get_state(m).unit.gather.state is not UnitState.UNSHARDED for m in [model, *model.blocks])
+    assert all(fc.get_state(m).params.gather.state is not UnitState.UNSHARDED for m in [model, *model.blocks])
 
 
 @pytest.mark.parametrize("ws", [1, 2])
@@ -111,7 +111,7 @@ def _state_dict_round_trip(rank: int, ws: int) -> None:
     for k, v in model.state_dict().items():
         assert torch.equal(v.to_local(), saved[k].to_local()), k
     # loading writes into the flat buffers (the parameters stay views), so the next forward uses the loaded values
-    unit = fc.get_state(model.blocks[0]).unit
+    unit = fc.get_state(model.blocks[0]).params
     assert unit.shards.views_intact()
 
 

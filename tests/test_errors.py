@@ -161,8 +161,8 @@ def _errors_from_ties(rank: int, ws: int) -> None:
     # the common parent lifts it out of the embedding's unit into its own
     fc.fully_shard(tied, mesh=mesh)
     assert tied.head.weight is tied.emb.weight and isinstance(tied.emb.weight, DTensor)
-    assert [mp.fqn for mp in fc.get_state(tied).unit.shards.params] == ["head.weight"]
-    assert fc.get_state(tied.emb).unit.shards.params == []
+    assert [mp.fqn for mp in fc.get_state(tied).params.shards.params] == ["head.weight"]
+    assert fc.get_state(tied.emb).params.shards.params == []
 
 
 def _meta_params_at_first_forward(rank: int, ws: int) -> str:

@@ -29,7 +29,7 @@ def _compressed_all_gather(rank: int, ws: int, kind: str) -> dict[str, Any]:
     gathered = [(r.dtype, r.numel // r.group_size) for r in recorder.records if r.kind == "all_gather"]
     with torch.no_grad():
         exact = plain(x)
-    segments = [fc.get_state(m).unit.shards.layout.segment_numel for m in [model, *model.blocks]]
+    segments = [fc.get_state(m).params.shards.layout.segment_numel for m in [model, *model.blocks]]
     losses = []
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     for step in range(6):
@@ -44,7 +44,7 @@ def _compressed_all_gather(rank: int, ws: int, kind: str) -> dict[str, Any]:
         "gathered": gathered,
         "segments": segments,
         "losses": losses,
-        "plain_untouched": fc.get_state(plain).unit.extensions.all_gather is None,
+        "plain_untouched": fc.get_state(plain).params.extensions.all_gather is None,
     }
 
 

@@ -81,7 +81,7 @@ def _frozen_blocks_reshard_layer_by_layer(rank: int, ws: int) -> dict[str, Any]:
     _freeze_blocks(reference, [0, 1, 2])
     _freeze_blocks(model, [0, 1, 2])
     shard_gpt(model, mesh_1d(ws))
-    units = [fc.get_state(b).unit for b in model.blocks]
+    units = [fc.get_state(b).params for b in model.blocks]
     observed: list[tuple[int, list[str]]] = []
 
     def watch(i: int) -> Callable[..., None]:
@@ -95,14 +95,13 @@ def _frozen_blocks_reshard_layer_by_layer(rank: int, ws: int) -> dict[str, Any]:
         block.register_forward_hook(watch(i))
     with _CollectiveLog() as log:
         diff = _train_with_schedule(rank, ws, model, reference, cfg, lambda step, m: None, steps=3)
-    root_unit = fc.get_state(model).unit
+    root = fc.get_state(model)
     return {
         "diff": diff,
         "observed": observed,
         "frozen_grads": [p.grad for b in model.blocks for p in b.parameters()],
         "reduced": log.reduced,
-        "root_rs_numel": ws
-        * (root_unit.grads.input.layout.segment_numel + root_unit.grads.input.rows.tail(flagged=False)),
+        "root_rs_numel": ws * (root.grads.input.layout.segment_numel + root.grads.input.rows.tail(flagged=False)),
     }
 
 
@@ -188,7 +187,7 @@ def _change_during_no_sync(rank: int, ws: int) -> str:
     model.blocks[0].requires_grad_(False)
     with pytest.raises(RuntimeError, match="changed while gradients from no-sync micro-batches are pending") as info:
         model(x)
-    assert fc.get_state(model.blocks[0]).unit.grads.has_pending()  # nothing was lost
+    assert fc.get_state(model.blocks[0]).grads.has_pending()  # nothing was lost
     return str(info.value)
 
 
@@ -209,8 +208,8 @@ def _replicate_frozen(rank: int, ws: int) -> dict[str, Any]:
     local_is_whole = block_param.to_local().shape == block_param.shape
     with _CollectiveLog() as log:
         diff_frozen = _train_with_schedule(rank, ws, model, reference, cfg, lambda step, m: None, steps=2)
-    root_unit = fc.get_state(model).unit
-    only_root = log.gathered == [ws * root_unit.shards.layout.segment_numel] * 2  # the root gathers once per step
+    root = fc.get_state(model)
+    only_root = log.gathered == [ws * root.params.shards.layout.segment_numel] * 2  # the root gathers once per step
     # unfreeze block 0: it moves from whole to sharded, trains, and matches the reference
     diff_after = _train_with_schedule(
         rank, ws, model, reference, cfg, lambda step, m: _freeze_blocks(m, [0], frozen=False), steps=2

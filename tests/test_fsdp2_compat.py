@@ -49,8 +49,8 @@ def _policies(rank: int, ws: int) -> tuple[float, float, str]:
     plain = _shard_blocks(_net(), fc.fully_shard, mesh=mesh, offload_policy=torch_fsdp.OffloadPolicy())
     state = fc.get_state(theirs)
     assert state is not None and state.mp_policy == fc.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
-    assert fc.get_state(offloaded).unit.devices.offloaded  # type: ignore[union-attr]
-    assert not fc.get_state(plain).unit.devices.offloaded  # type: ignore[union-attr]
+    assert fc.get_state(offloaded).params.devices.offloaded  # type: ignore[union-attr]
+    assert not fc.get_state(plain).params.devices.offloaded  # type: ignore[union-attr]
     for model in (ours, theirs, offloaded, plain):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(2):
@@ -372,8 +372,8 @@ def _settings(rank: int, ws: int) -> list[str]:
         m.set_unshard_in_backward(False)
         m.set_reduce_scatter_divide_factor(2.0)
     messages = [str(w.message) for w in caught]
-    assert fc.get_state(model).unit.grads.divide_factor == 2.0  # type: ignore[union-attr]
-    assert fc.get_state(model[0]).unit.grads.divide_factor is None  # type: ignore[union-attr]  # not recursive
+    assert fc.get_state(model).grads.divide_factor == 2.0  # type: ignore[union-attr]
+    assert fc.get_state(model[0]).grads.divide_factor is None  # type: ignore[union-attr]  # not recursive
     for name in ("set_custom_all_gather", "set_custom_reduce_scatter"):
         with pytest.raises(NotImplementedError) as info:
             getattr(model, name)(object())

@@ -438,12 +438,12 @@ def _reprs(rank: int, ws: int) -> tuple[str, str, int]:
     model = _shard_blocks(_net(), fc.fully_shard, mesh=mesh_1d(ws))
     state = fc.get_state(model[0])
     assert state is not None
-    return repr(state), repr(state.unit), sum(p.to_local().numel() for p in model[0].parameters())  # type: ignore[attr-defined]
+    return repr(state), repr(state.params), sum(p.to_local().numel() for p in model[0].parameters())  # type: ignore[attr-defined]
 
 
 def test_repr_of_a_units_state_says_what_it_is(run_dist) -> None:
     for state, unit, local in run_dist(2, _reprs):
-        assert state.startswith("ShardState([Linear], root=None, phase=idle, unit=ShardedUnit(")
+        assert state.startswith("ShardState([Linear], root=None, phase=idle, params=UnitParams(")
         assert unit in state
         # 0 (Linear 6->10): 70 elements; this rank's rows: 5 of 10 weight rows and 5 bias elements
         assert "mesh=(2,) cpu" in unit and "params=2" in unit and "numel=70" in unit

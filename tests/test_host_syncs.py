@@ -180,7 +180,7 @@ def _offload_casts(rank: int, ws: int) -> list[tuple[str, str]]:
     model = _Tempered()
     policy = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     fc.fully_shard(model, mesh=mesh_1d(ws), mp_policy=policy, offload_policy=fc.CPUOffloadPolicy())
-    unit = fc.get_state(model).unit
+    unit = fc.get_state(model).params
     sources = {unit.shards.flat.untyped_storage().data_ptr()}
     sources |= {mp.sharded._local_tensor.untyped_storage().data_ptr() for mp in unit.shards.params if mp.slot is None}
     mode = _CopiesFrom(sources)

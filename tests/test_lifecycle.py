@@ -60,7 +60,7 @@ def _reshard_settings(rank: int, ws: int) -> tuple[float, list[bool], list[bool]
     shard_gpt(model, mesh_1d(ws))
     fc.set_reshard_after_forward(model, False)
     fc.set_reshard_after_backward(model, False)
-    units = [fc.get_state(m).unit for m in [model, *model.blocks]]
+    units = [fc.get_state(m).params for m in [model, *model.blocks]]
     opt = make_optimizer("sgd")(model.parameters())
     ref_opt = make_optimizer("sgd")(reference.parameters())
     after_forward, after_no_sync, after_sync = [], [], []
@@ -98,14 +98,14 @@ def _no_sync_keeps_full_grads(rank: int, ws: int) -> None:
         assert not fc.get_state(model.blocks[0]).requires_gradient_sync
         loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
     assert fc.get_state(model.blocks[0]).requires_gradient_sync
-    units = [fc.get_state(m).unit for m in [model, *model.blocks]]
+    units = [fc.get_state(m) for m in [model, *model.blocks]]
     # .grad holds zeros while the unit holds the micro-batch's gradients (a user's zero_grad then drops them)
     assert all(isinstance(p.grad, DTensor) and not p.grad.to_local().any() for p in model.parameters())
     # the micro-batch's gradients moved into each unit's reduce-scatter buffer; no full-size .grad is left
-    assert all(u.grads.has_pending() and not u.has_pending_full_grads() for u in units)
+    assert all(u.grads.has_pending() and not u.params.has_pending_full_grads() for u in units)
     loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
     assert all(isinstance(p.grad, DTensor) for p in model.parameters())
-    assert not any(u.grads.has_pending() or u.has_pending_full_grads() for u in units)
+    assert not any(u.grads.has_pending() or u.params.has_pending_full_grads() for u in units)
 
 
 @pytest.mark.parametrize("ws", [2])
@@ -216,8 +216,8 @@ def _deleted_model_is_freed(rank: int, ws: int) -> tuple[bool, bool]:
     inputs, targets = synthetic_batch(cfg, 4, 0)
     loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
     opt.step()
-    units = [weakref.ref(fc.get_state(m).unit) for m in [*model.blocks, model]]  # type: ignore[union-attr]
-    flat = weakref.ref(fc.get_state(model.blocks[0]).unit.shards.flat)  # type: ignore[union-attr]
+    units = [weakref.ref(fc.get_state(m).params) for m in [*model.blocks, model]]  # type: ignore[union-attr]
+    flat = weakref.ref(fc.get_state(model.blocks[0]).params.shards.flat)  # type: ignore[union-attr]
     del model, opt
     gc.collect()
     return all(u() is None for u in units), flat() is None

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.offload import UnitDevices
-from fsdp_compose.unit import ShardedUnit
+from fsdp_compose.unit import UnitParams
 from tests.dist_utils import (
     full_value,
     local_batch,
@@ -42,12 +42,12 @@ BF16_TOL = 2e-3  # see test_precision: 3 SGD steps in bf16 against the fp32 refe
 OFFLOAD = fc.CPUOffloadPolicy()
 
 
-def _all_units(model: nn.Module) -> list[ShardedUnit]:
-    seen: dict[int, ShardedUnit] = {}
+def _all_units(model: nn.Module) -> list[UnitParams]:
+    seen: dict[int, UnitParams] = {}
     for module in model.modules():
         state = fc.get_state(module)
         if state is not None:
-            seen[id(state.unit)] = state.unit
+            seen[id(state.params)] = state.params
     return list(seen.values())
 
 
@@ -174,7 +174,7 @@ def _transfers(rank: int, ws: int) -> dict[str, Any]:
     cfg = GPTConfig()
     _, model = _offloaded_tempered(cfg, ws)
     units = _all_units(model)
-    root = fc.get_state(model).unit
+    root = fc.get_state(model).params
     whole = next(mp for mp in root.shards.params if mp.fqn == "temperature")
     opt = make_optimizer("sgd")(model.parameters())
     inputs, targets = synthetic_batch(cfg, 4, 0)
@@ -252,8 +252,8 @@ def _mixed(rank: int, ws: int) -> dict[str, Any]:
     for block in model.blocks:
         fc.fully_shard(block, mesh=mesh_1d(ws), offload_policy=OFFLOAD)
     fc.fully_shard(model, mesh=mesh_1d(ws))
-    root = fc.get_state(model).unit
-    blocks = [fc.get_state(b).unit for b in model.blocks]
+    root = fc.get_state(model).params
+    blocks = [fc.get_state(b).params for b in model.blocks]
     with _recording() as record:
         inputs, targets = synthetic_batch(cfg, 4, 0)
         loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
@@ -336,7 +336,7 @@ def _frozen(rank: int, ws: int, frozen_params: str) -> dict[str, Any]:
     for m in (reference, model):
         m.blocks[0].requires_grad_(False)
     shard_gpt(model, mesh_1d(ws), offload_policy=OFFLOAD, frozen_params=frozen_params)
-    frozen_unit = fc.get_state(model.blocks[0]).unit
+    frozen_unit = fc.get_state(model.blocks[0]).params
     diff = train_pair(rank, ws, model, reference, cfg, steps=2)
     model.blocks[0].requires_grad_(True)  # unfreezing re-lays out a replicated unit (an all-gather on the host)
     reference.blocks[0].requires_grad_(True)

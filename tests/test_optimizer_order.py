@@ -67,7 +67,7 @@ def _optimizer_after(rank: int, ws: int) -> dict[str, Any]:
     diff = train_pair(rank, ws, model, reference, cfg, steps=3)  # the optimizer is built after fully_shard
     # nobody holds the replaced parameters (the check at the end of the next backward drops their references)
     gc.collect()
-    refs = [ref for m in [*model.blocks, model] for _, ref in fc.get_state(m).unit.shards.replaced.refs]
+    refs = [ref for m in [*model.blocks, model] for _, ref in fc.get_state(m).params.shards.replaced.refs]
     left = sum(ref() is not None for ref in refs)
     return {"diff": diff, "left": left}
 

@@ -70,7 +70,7 @@ def _accumulated_grads(rank: int, ws: int, param: str | None, micro_batches: int
     policy = fc.MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=torch.float32 if param else None)
     shard_gpt(model, mesh_1d(ws), mp_policy=policy)
     fc.set_gradient_accumulation(model, mode)
-    units = [fc.get_state(m).unit for m in [model, *model.blocks]]
+    units = [fc.get_state(m) for m in [model, *model.blocks]]
     inputs, targets = synthetic_batch(cfg, 4 * micro_batches, 0)
     loss_fn(reference(inputs), targets).backward()
     local_in, local_tg = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
@@ -80,7 +80,7 @@ def _accumulated_grads(rank: int, ws: int, param: str | None, micro_batches: int
         if i < micro_batches - 1:
             with fc.no_sync(model):
                 (loss_fn(model(x), y) / micro_batches).backward()
-            held_full_size.append(any(u.grads.has_pending() or u.has_pending_full_grads() for u in units))
+            held_full_size.append(any(u.grads.has_pending() or u.params.has_pending_full_grads() for u in units))
             held_sharded.append(all(p.grad is not None and bool(p.grad.to_local().any()) for p in model.parameters()))
         else:
             (loss_fn(model(x), y) / micro_batches).backward()
@@ -135,7 +135,7 @@ def _sync_reduces_the_accumulation_buffer_in_place(rank: int, ws: int) -> tuple[
     _, model = reference_and_copy(cfg)
     policy = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shard_gpt(model, mesh_1d(ws), mp_policy=policy)
-    units = [fc.get_state(m).unit for m in [model, *model.blocks]]
+    units = [fc.get_state(m) for m in [model, *model.blocks]]
     inputs, targets = synthetic_batch(cfg, 4, 0)
     x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
     with fc.no_sync(model):

@@ -28,7 +28,7 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
     _, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws))
     units = {
-        id(fc.get_state(m).unit.gather): name
+        id(fc.get_state(m).params.gather): name
         for name, m in [("root", model)] + [(f"b{i}", b) for i, b in enumerate(model.blocks)]
     }
     if explicit:
@@ -55,7 +55,7 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
         gathering_module.UnitGather.start = original  # type: ignore[method-assign]
     states = [fc.get_state(m) for m in [model, *model.blocks]]
     left_in_flight = [
-        s.unit.gather.state is UnitState.GATHERING or s.unit.grads.state is not GradState.IDLE for s in states
+        s.params.gather.state is UnitState.GATHERING or s.grads.state is not GradState.IDLE for s in states
     ]
     return {"issued": issued, "left_in_flight": any(left_in_flight)}
 
@@ -123,7 +123,7 @@ def _eval_between_steps(rank: int, ws: int) -> float:
     train_pair(rank, ws, model, reference, cfg, steps=1)
     with torch.no_grad():
         model(local_batch(synthetic_batch(cfg, 4, 9)[0], rank, ws))
-    assert all(fc.get_state(m).unit.gather.state is not UnitState.UNSHARDED for m in [model, *model.blocks])
+    assert all(fc.get_state(m).params.gather.state is not UnitState.UNSHARDED for m in [model, *model.blocks])
     return train_pair(rank, ws, model, reference, cfg, steps=2)
 
 
@@ -139,8 +139,8 @@ def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
     _, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws), mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     named = [("root", model)] + [(f"b{i}", b) for i, b in enumerate(model.blocks)]
-    units = {id(fc.get_state(m).unit.gather): name for name, m in named}
-    all_units = [fc.get_state(m).unit for _, m in named]
+    units = {id(fc.get_state(m).params.gather): name for name, m in named}
+    all_units = [fc.get_state(m) for _, m in named]
     issued: list[tuple[str, bool]] = []
     overlapping: list[str] = []
     original = gathering_module.UnitGather.start
@@ -197,7 +197,7 @@ def _prefetch_point(rank: int, ws: int, point: str | None, micro_batches: int = 
 
     def watch(i: int, moment: str) -> Any:
         def forward_hook(module: Any, args: Any, output: torch.Tensor) -> None:
-            previous = fc.get_state(model.blocks[i - 1]).unit
+            previous = fc.get_state(model.blocks[i - 1]).params
             output.register_hook(lambda g: seen.append((i, moment, previous.gather.state.value)))
 
         return forward_hook
@@ -331,7 +331,7 @@ def _states_at_reduce_scatters(rank: int, ws: int) -> dict[str, Any]:
     cfg = GPTConfig(n_layers=4)
     reference, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws))
-    units = [fc.get_state(block).unit for block in model.blocks]
+    units = [fc.get_state(block).params for block in model.blocks]
     snapshots: list[list[str]] = []
     original = gathering_module.UnitGather.arrived
     gathering_module.UnitGather.arrived = lambda self: False  # type: ignore[method-assign]

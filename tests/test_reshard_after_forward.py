@@ -46,7 +46,7 @@ def _what_backward_gathers(rank: int, ws: int) -> dict[str, Any]:
     with fc.CollectiveRecorder() as recorder:
         inputs, targets = synthetic_batch(cfg, 8, 0)
         loss = loss_fn(model(inputs.chunk(ws)[rank]), targets.chunk(ws)[rank])
-        units = [fc.get_state(block).unit for block in model.blocks]  # type: ignore[union-attr]
+        units = [fc.get_state(block).params for block in model.blocks]  # type: ignore[union-attr]
         after_forward = [u.gather.state for u in units]
         blocks = [u.gather._group_block for u in units]
         freed = all(
@@ -119,7 +119,7 @@ def _trivial_values(rank: int, ws: int) -> list[Any]:
     results = []
     for value in (ws, 1):  # the whole shard group is True; one rank keeps everything: False
         fc.set_reshard_after_forward(model.blocks[0], value)
-        results.append((states[0].reshard_after_forward_setting, states[0].unit.gather.post_forward))  # type: ignore[union-attr]
+        results.append((states[0].reshard_after_forward_setting, states[0].params.gather.post_forward))  # type: ignore[union-attr]
     return results
 
 

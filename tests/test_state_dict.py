@@ -80,7 +80,7 @@ def _full_round_trip(rank: int, ws: int, kind: str) -> dict[str, Any]:
         "loaded_diff": loaded_diff,
         "third_diff": third_diff,
         "trained_diff": trained_diff,
-        "still_views": all(fc.get_state(m).unit.shards.views_intact() for m in [other, *other.blocks]),
+        "still_views": all(fc.get_state(m).params.shards.views_intact() for m in [other, *other.blocks]),
     }
 
 
@@ -404,7 +404,9 @@ def _two_models(rank: int, ws: int, path: str) -> dict[str, Any]:
         "diff_2d": max_param_diff(two_d, two_d_ref),
         "calls": calls_after_training,
         "units_1d": len(one_d.blocks) + 1,
-        "hook_only_on_1d": all(fc.get_state(m).unit.extensions.reduce_scatter is None for m in [two_d, *two_d.blocks]),
+        "hook_only_on_1d": all(
+            fc.get_state(m).params.extensions.reduce_scatter is None for m in [two_d, *two_d.blocks]
+        ),
         "restored_1d": max_param_diff(fresh_1d, one_d),
         "restored_2d": max_param_diff(fresh_2d, two_d),
         "full_2d_ok": all(torch.equal(full_2d[k], full_value(v)) for k, v in two_d.state_dict().items()),

@@ -98,7 +98,7 @@ def _train_with_a_failed_step(
                 # the block whose forward raised resharded (its post-forward hook ran); the next block, prefetched
                 # before the failure, is freed at the next step
                 raised_in = fc.get_state(model.blocks[1])
-                sharded_after_failure.append(raised_in.unit.gather.state is UnitState.SHARDED)
+                sharded_after_failure.append(raised_in.params.gather.state is UnitState.SHARDED)
             continue
         opt.step()
     return {"diff": max_param_diff(model, reference), "raised": raised, "sharded": sharded_after_failure}

@@ -15,10 +15,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_compose"
 MAX_CLASS_LINES = 300
 
 # Classes over MAX_CLASS_LINES today, with their size when listed. An entry may not grow; once its class is at or
-# under the limit, the entry must go. StepContext left the list when one backward's walk moved to backward.py;
-# ShardedUnit when its gather state machine moved to gathering.py and its full parameters to full_params.py.
-# UnitGradients when its reduce-scatter input became a class of its own and its delivery to .grad moved to delivery.py;
-# ShardState when lazy_init and input wrapping became functions. Nothing is over the limit now.
+# under the limit, the entry must go. StepContext left the list when one backward's walk moved to backward.py; the
+# unit's parameters (UnitParams) when their gather state machine moved to gathering.py and their full parameters to
+# full_params.py; UnitGradients when its reduce-scatter input became a class of its own and its delivery to .grad
+# moved to delivery.py; ShardState when lazy_init and input wrapping became functions. Nothing is over the limit now.
 CLASS_SIZE_ALLOW_LIST: dict[str, int] = {}
 
 

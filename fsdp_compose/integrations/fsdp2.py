@@ -120,10 +120,10 @@ def _set_all_reduce_hook(
     state = api._require_state(module, "set_all_reduce_hook")
     if not callable(hook):
         raise TypeError(f"set_all_reduce_hook: hook must be callable as hook(reduce_output), got {type(hook).__name__}")
-    if stream is not None and state.unit.dp.replicate_group is not None:
+    if stream is not None and state.params.dp.replicate_group is not None:
         raise ValueError("stream cannot be set when using native HSDP")  # FSDP2's check and message
-    state.unit.grads.delivery.reduced_hook = hook
-    state.unit.grads.delivery.reduced_hook_stream = stream
+    state.grads.delivery.reduced_hook = hook
+    state.grads.delivery.reduced_hook_stream = stream
 
 
 def _set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
@@ -163,7 +163,7 @@ def _set_reduce_scatter_unused_params(
     # .grad, as FSDP2 does; False (the default) leaves it None.
     _check_bool(reduce_scatter_unused_params, "reduce_scatter_unused_params", "set_reduce_scatter_unused_params")
     for state in api._states(module, recurse, "set_reduce_scatter_unused_params"):
-        state.unit.grads.zero_unused = reduce_scatter_unused_params
+        state.grads.zero_unused = reduce_scatter_unused_params
 
 
 def _set_reduce_scatter_max_input_buffers(module: nn.Module, max_input_buffers: int, *, recurse: bool = True) -> None:

@@ -89,8 +89,8 @@ class PipelineStage(_TorchPipelineStage):
         super()._post_metadata_inference_cleanup()
         # The metadata inference ran a real forward and backward: free what it gathered, drop what it reduced.
         for state in states_under(self.submod):
-            if state.unit.gather.state is not UnitState.SHARDED:
-                state.unit.gather.reshard()
+            if state.params.gather.state is not UnitState.SHARDED:
+                state.params.gather.reshard()
         if self._uses_fsdp_compose():
             for param in self.submod.parameters():
                 param.grad = None

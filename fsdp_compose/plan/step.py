@@ -416,7 +416,7 @@ def schedule_record(model: nn.Module, units: dict[str, nn.Module]) -> dict[str, 
     names = {}
     for state in states:
         found = [planner_names[id(m)] for m in state.modules if id(m) in planner_names]
-        names[id(state)] = found[0] if found else state.unit.owner_name
+        names[id(state)] = found[0] if found else state.params.owner_name
     schedule = step_schedule(model, names)
     named = {id(u.state): u.name for u in schedule.units}
     return {
@@ -569,7 +569,7 @@ def _measure_one(
     # creation-order number torch gives them (which differs between a simulated and a real run)
     labels = dict(mesh.group_labels)
     for state in states_under(model):
-        group = state.unit.gather.post_forward
+        group = state.params.gather.post_forward
         if group is not None:
             labels[group.group.group_name] = f"post_forward({group.size})"
     recorder = CollectiveRecorder(group_labels=labels, observer=step.on_collective)

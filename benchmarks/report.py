@@ -18,7 +18,7 @@ NA = "n/a"
 MIB = 2**20
 IMPLS = ("fsdp_compose", "torch_fsdp2", "ddp")
 TIME_HEADER = ["config", "fsdp_compose ms", "torch FSDP2 ms", "DDP ms", "fc / FSDP2", "fc / DDP"]
-TIME_HEADER.append("final loss fc/FSDP2/DDP")
+TIME_HEADER += ["CPU ms all ranks fc / FSDP2 / DDP", "CPU fc / FSDP2", "final loss fc/FSDP2/DDP"]
 MEMORY_HEADER = ["config", "fsdp_compose", "torch FSDP2", "DDP", "fc / FSDP2", "fc / DDP", "DDP buckets"]
 MEMORY_HEADER += ["ops fc/FSDP2/DDP", "step peaks fc / FSDP2"]
 COMM_HEADER = ["config", "fsdp_compose", "torch FSDP2", "minimum", "fc / minimum", "fc calls", "DDP all-reduce"]
@@ -47,11 +47,18 @@ def _time_row(res: dict[str, Any]) -> list[str]:
     times: dict[str, list[float]] = res["times"]
     fc, fsdp2, ddp = (times.get(name) for name in IMPLS)
     losses = " / ".join(f"{res['loss'][n]:.4f}" if n in res["loss"] else NA for n in IMPLS)
+    cpu: dict[str, float] = res.get("cpu", {})
+    cpu_ms = " / ".join(f"{1000 * cpu[n]:.0f}" if n in cpu else NA for n in IMPLS)
+    cpu_ratio = (
+        f"{cpu['fsdp_compose'] / cpu['torch_fsdp2']:.2f}" if {"fsdp_compose", "torch_fsdp2"} <= cpu.keys() else NA
+    )
     return [
         res["config"],
         *(_ms(t) if t else NA for t in (fc, fsdp2, ddp)),
         _ratio(fc, fsdp2),
         _ratio(fc, ddp),
+        cpu_ms,
+        cpu_ratio,
         losses,
     ]
 
@@ -141,7 +148,9 @@ def render_tables(results: list[dict[str, Any]], args: Any, command: str, elapse
     time_table = _table(TIME_HEADER, [_time_row(r) for r in results])
     parts = [
         _header(args, command, elapsed),
-        "**Step time** — median ms per step; ratios are medians of per-round ratios (< 1: fsdp_compose faster).",
+        "**Step time** — median ms per step; ratios are medians of per-round ratios (< 1: fsdp_compose faster). "
+        "CPU: the processes' CPU ms per step (every thread, gloo's included) summed over the ranks, averaged over "
+        "the timed rounds: with more ranks than cores the step time follows it.",
         time_table,
     ]
     if args.memory:

@@ -195,14 +195,25 @@ def timed_step(impl: Impl, x: torch.Tensor, y: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def time_interleaved(impls: dict[str, Impl], args: BenchArgs) -> dict[str, list[float]]:
-    """Seconds per step of each implementation, A, B, C, A, B, C, ...; warm-up rounds dropped."""
+def time_interleaved(impls: dict[str, Impl], args: BenchArgs) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Seconds per step of each implementation, A, B, C, A, B, C, ...; warm-up rounds dropped. Also the CPU seconds
+    per step summed over the ranks (each process's own threads, gloo's included): with more ranks than cores the
+    machine is saturated, and the step time follows the work every rank asks of it."""
     times: dict[str, list[float]] = {name: [] for name in impls}
+    cpu = dict.fromkeys(impls, 0.0)
     for step in range(1, args.steps + 1):
         x, y = local_batch(args, step)
         for name, impl in impls.items():
+            start = time.process_time()
             times[name].append(timed_step(impl, x, y))
-    return {name: values[args.warmup :] for name, values in times.items()}
+            if step > args.warmup:
+                cpu[name] += time.process_time() - start
+    rounds = max(args.steps - args.warmup, 1)
+    totals = torch.tensor([cpu[name] / rounds for name in impls], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return {name: values[args.warmup :] for name, values in times.items()}, dict(
+        zip(impls, totals.tolist(), strict=True)
+    )
 
 
 def count_collectives(impl: Impl, args: BenchArgs) -> dict[str, Any]:
@@ -302,7 +313,7 @@ def collectives_result(impls: dict[str, Impl], variant: Variant, args: BenchArgs
 def run_config(variant: Variant, args: BenchArgs, mesh: DeviceMesh) -> dict[str, Any]:
     impls, missing = build_all(variant, args, mesh)
     result: dict[str, Any] = {"config": variant.name, "na": missing}
-    result["times"] = time_interleaved(impls, args)
+    result["times"], result["cpu"] = time_interleaved(impls, args)
     result["loss"] = {name: impl.last_loss for name, impl in impls.items()}
     result["collectives"] = collectives_result(impls, variant, args)
     del impls  # the memory step runs each implementation alone

@@ -3,8 +3,10 @@
     python benchmarks/run.py --nproc 2 --configs fp32 bf16 frozen frozen_replicate no_reshard [--write PATH]
 
 Spawns ``--nproc`` gloo ranks (one torch thread each). Per config, every rank builds the three models from the same
-seed and trains them on the same batches, interleaving steps A, B, C, A, B, C, ... with a barrier before and after
-each step; the figures of merit are the medians of the per-round time ratios (noise hits neighbouring steps alike).
+seed and trains them on the same batches, interleaving steps in rounds A B C, B C A, C A B, ... (no implementation
+always follows the same one) with a barrier before and after each step; the figures of merit are the medians of the
+per-round time ratios (noise hits neighbouring steps alike). The processes' CPU time per step, summed over the ranks,
+is reported next to it: with more ranks than cores the machine is saturated and the step time follows it.
 Then each implementation alone (the others deleted) runs ``--memory-steps`` non-timed steps under the live-bytes
 counter (``benchmarks/memory.py``; the highest step's peak is reported), and one step under
 ``fc.CollectiveRecorder`` (minimum bytes: ``benchmarks/comm.py``). See benchmarks/README.md.
@@ -196,14 +198,17 @@ def timed_step(impl: Impl, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def time_interleaved(impls: dict[str, Impl], args: BenchArgs) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Seconds per step of each implementation, A, B, C, A, B, C, ...; warm-up rounds dropped. Also the CPU seconds
+    """Seconds per step of each implementation, in rotating rounds; warm-up rounds dropped. Also the CPU seconds
     per step summed over the ranks (each process's own threads, gloo's included): with more ranks than cores the
     machine is saturated, and the step time follows the work every rank asks of it."""
     times: dict[str, list[float]] = {name: [] for name in impls}
     cpu = dict.fromkeys(impls, 0.0)
+    names = list(impls)
     for step in range(1, args.steps + 1):
         x, y = local_batch(args, step)
-        for name, impl in impls.items():
+        shift = step % len(names)  # A B C, B C A, C A B, ...: no implementation always follows the same one
+        for name in names[shift:] + names[:shift]:
+            impl = impls[name]
             start = time.process_time()
             times[name].append(timed_step(impl, x, y))
             if step > args.warmup:

@@ -306,10 +306,10 @@ def backward_program(
         parameters = schedule.parameters
         group, world = control
         root = schedule.names[id(schedule.root)]
-        agreement = 2 * len(schedule.units) + parameters + world + 2
+        agreement = 2 * len(schedule.units) + parameters + world + 4
         control_ops = [
             Operation("agreement", root, "backward", group, world, torch.int64, agreement, id(schedule.root)),
-            Operation("closing_word", root, "backward", group, world, torch.int64, world + 2, id(schedule.root)),
+            Operation("closing_word", root, "backward", group, world, torch.int64, world + 4, id(schedule.root)),
         ]
         program.add(control_ops[0])
         if live:
@@ -396,6 +396,9 @@ class Agreement:
     # per unit: the layout some rank holds partial gradients in (2: with "had a gradient" columns, 1: without, 0: no
     # rank holds any). A window's later buffers must take it on every rank (``step._decide_flag_columns``).
     held_layout: list[int]
+    # The ranks' trainable parameters differ (their signatures, ``step._agree``): their reductions would add up the
+    # gradients of different parameters where the layouts happen to have the same size. Every rank raises at the end.
+    trainability_differs: bool = False
 
 
 def agreement_group(dp: DataParallelMesh) -> dist.ProcessGroup | None:
@@ -475,7 +478,8 @@ class PendingAgreement:
             )
         participants = list(map(bool, result[: len(self.reached)]))
         expected = list(map(bool, result[len(self.reached) : masks]))
-        return Agreement(participants, expected, quitting, list(map(int, result[masks:n])))
+        differs = result[n + world + 2] != -result[n + world + 3]
+        return Agreement(participants, expected, quitting, list(map(int, result[masks:n])), differs)
 
 
 def start_agreement(
@@ -487,11 +491,13 @@ def start_agreement(
     checks: bool,
     expected: list[bool] | None = None,
     held: list[int] | None = None,
+    trained: int = 0,
 ) -> PendingAgreement:
     """Issue the all-reduce (MAX) of this rank's participation mask, the parameters it expects gradients for
     (``expected``, one per ``StepSchedule.parameters``; None: none), the layout it holds partial gradients in per unit
-    (``held``, ``Agreement.held_layout``; None: none), whether it abandons the step, and (with collective checks) the
-    schedule's fingerprint, over ``group`` (``agreement_group``). Nothing waits for it here."""
+    (``held``, ``Agreement.held_layout``; None: none), whether it abandons the step, (with collective checks) the
+    schedule's fingerprint, and ``trained`` (a signature of which parameters train), over ``group``
+    (``agreement_group``). Nothing waits for it here."""
     expected = expected if expected is not None else [False] * schedule.parameters
     held = held if held is not None else [0] * len(schedule.units)
     owner = schedule.root.params.owner_name
@@ -499,12 +505,12 @@ def start_agreement(
         return PendingAgreement(None, None, reached, expected, held, abandoning=abandoning, checks=checks, owner=owner)
     world = dist.get_world_size()
     fingerprint = schedule.fingerprint() if checks else 0
-    # [mask..., abandoning ranks..., fingerprint, -fingerprint]: one MAX gives the union, the set of ranks that
-    # abandon, and whether every fingerprint was equal (max == -max(-x) only when all are equal).
+    # [mask..., abandoning ranks..., fingerprint, -fingerprint, trained, -trained]: one MAX gives the union, the set
+    # of ranks that abandon, and whether every fingerprint (and signature) was equal (max == -max(-x) only then).
     flags = [0] * world
     if abandoning:
         flags[dist.get_rank()] = 1
-    row = [*map(int, reached), *map(int, expected), *held, *flags, fingerprint, -fingerprint]
+    row = [*map(int, reached), *map(int, expected), *held, *flags, fingerprint, -fingerprint, trained, -trained]
     values = torch.tensor(row, dtype=torch.int64, device=schedule.root.device)
     work = all_reduce_max(values, group, async_op=True)
     return PendingAgreement(values, work, reached, expected, held, abandoning=abandoning, checks=checks, owner=owner)

@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["StepContext", "StepPhase", "close_unit", "keep_for_next_forward", "reset_current_step"]
 
+# A prime below 2**61: the trainability signature fits the agreement's int64 row, negated too.
+_SIGNATURE_MODULUS = (1 << 61) - 1
+
 
 class StepContext:
     """Per-root state of the current step (see the module docstring)."""
@@ -194,7 +197,7 @@ class StepContext:
                 raise
         self.agreement = pending
         # Until the final callback knows no rank abandoned the step, reduced rows wait there (delivery.py).
-        hold = not read or bool(agreed.quitting)
+        hold = not read or bool(agreed.quitting) or agreed.trainability_differs
         for state in self.states:
             state.grads.delivery.hold = hold
         _decide_flag_columns(self.states, agreed)
@@ -228,9 +231,20 @@ class StepContext:
             if bp is None:
                 return
             bp.complete()
-            quitting = self.agreement.result().quitting if self.agreement is not None else []
+            agreed = self.agreement.result() if self.agreement is not None else None
             self.agreement = None
+            quitting = agreed.quitting if agreed is not None else []
             quitting += _closing_word(self, abandoning=False, program=bp.program)
+            if not quitting and agreed is not None and agreed.trainability_differs:
+                self.abandon(agreed=True)
+                self.ended_everywhere = True
+                raise RuntimeError(
+                    f"fsdp_compose: the ranks train different parameters under {self.root.params.owner_name} (their "
+                    "requires_grad differ): their reductions would mix the gradients of different parameters, so no "
+                    "gradient of this step is kept on any rank. Freeze and unfreeze the same parameters on every rank "
+                    "at the same step; fc.set_collective_checks(model, True) names the unit and the parameters that "
+                    "differ, at the next forward"
+                )
             if quitting:
                 # Every rank has completed this backward's collectives: drop what it reduced, on every rank.
                 self.abandon(agreed=True)
@@ -516,11 +530,15 @@ def _agree(step: StepContext, reached: list[bool]) -> tuple[PendingAgreement, Ag
     # Does user code act on a gradient as soon as it is delivered (an optimizer step in backward, a
     # post-accumulate-grad hook)? Then a delivery cannot wait for the final callback: the agreement is read first.
     acts_on_delivery = False
+    # Which parameters train, as a number every rank compares in the agreement (a polynomial over the flags): ranks
+    # that froze different parameters of equal size would otherwise reduce-scatter them into each other, silently.
+    trained = 0
     for state in step.states:
         checks = checks or state.collective_checks
         grads = state.grads
         acts_on_delivery = acts_on_delivery or grads.delivery.on_finished is not None
         for mp in state.params.shards.params:
+            trained = (trained * 3 + 1 + mp.trainable) % _SIGNATURE_MODULUS
             got = mp.trainable and grads.input.expects_gradient(mp)
             expected.append(got)
             every_gradient = every_gradient and (got or not mp.trainable)
@@ -528,7 +546,14 @@ def _agree(step: StepContext, reached: list[bool]) -> tuple[PendingAgreement, Ag
                 acts_on_delivery = True
     held = _held_layouts(step.states)
     pending = start_agreement(
-        step.schedule, step.agreement_group, reached, abandoning=False, checks=checks, expected=expected, held=held
+        step.schedule,
+        step.agreement_group,
+        reached,
+        abandoning=False,
+        checks=checks,
+        expected=expected,
+        held=held,
+        trained=trained,
     )
     # Inside an accumulation window a rank holding nothing for a unit takes the layout other ranks hold it in.
     layouts_known = True

@@ -196,6 +196,55 @@ def test_changing_trainability_with_pending_no_sync_gradients_raises(run_dist, w
     assert len(set(run_dist(ws, _change_during_no_sync))) == 1
 
 
+def _ranks_train_different_parameters(rank: int, ws: int, read_early: bool) -> dict[str, Any]:
+    """Even ranks freeze the first layer's weight, odd ranks the last one's: equal sizes, so the one reduce-scatter has
+    the same size everywhere and would add one parameter's gradient into the other's. Then every rank freezes the
+    first layer's weight and trains on, next to a reference on the global batch. ``read_early``: a post-accumulate-grad
+    hook acts on each gradient as it is delivered, so the agreement is read at the first hook (the rows are held all
+    the same)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = copy.deepcopy(reference)
+    fc.fully_shard(model, mesh=mesh_1d(ws))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model[0 if rank % 2 == 0 else 2].weight.requires_grad_(False)
+    if read_early:
+        model[2].bias.register_post_accumulate_grad_hook(lambda param: None)
+    inputs = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match="the ranks train different parameters") as info:
+        model(local_batch(inputs, rank, ws)).pow(2).mean().backward()
+    no_grads = all(p.grad is None for p in model.parameters())
+    unchanged = max_param_diff(model, reference)
+    model[0].weight.requires_grad_(False)
+    model[2].weight.requires_grad_(True)
+    reference[0].weight.requires_grad_(False)
+    for step in range(3):
+        batch = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(10 + step))
+        for net, optimizer, x in ((model, opt, local_batch(batch, rank, ws)), (reference, ref_opt, batch)):
+            optimizer.zero_grad(set_to_none=True)
+            net(x).pow(2).mean().backward()
+            optimizer.step()
+    return {
+        "message": str(info.value),
+        "no_grads": no_grads,
+        "unchanged": unchanged,
+        "diff": max_param_diff(model, reference),
+    }
+
+
+@pytest.mark.parametrize("read_early", [False, True], ids=["common_path", "read_early"])
+@pytest.mark.parametrize("ws", [2, 4])
+def test_ranks_training_different_parameters_raise_on_every_rank(run_dist, ws: int, read_early: bool) -> None:
+    """torch's fully_shard trains on with the mixed gradients; fsdp_compose raises on every rank at the end of that
+    backward, keeps no gradient of it, and trains as the reference does once the ranks agree again."""
+    results = run_dist(ws, _ranks_train_different_parameters, read_early)
+    assert len({r["message"] for r in results}) == 1
+    for r in results:
+        assert r["no_grads"] and r["unchanged"] == 0.0
+        assert r["diff"] < 1e-6
+
+
 # ---------------------------------------------------------------------------------------------- frozen_params=replicate
 def _replicate_frozen(rank: int, ws: int) -> dict[str, Any]:
     cfg = GPTConfig()

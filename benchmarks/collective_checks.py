@@ -27,6 +27,7 @@ if str(REPO) not in sys.path:
 import fsdp_compose as fc  # noqa: E402
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 from fsdp_compose.checks import check_ranks_agree  # noqa: E402
+from fsdp_compose.state import states_under  # noqa: E402
 
 
 def _run(rank: int, nproc: int, store: str, steps: int) -> None:
@@ -57,10 +58,11 @@ def _run(rank: int, nproc: int, store: str, steps: int) -> None:
                 times[index].append(time.perf_counter() - start)
     root = fc.get_state(models[1][0])
     assert root is not None
+    states = states_under(models[1][0])
     check_times = []
     for _ in range(50):
         start = time.perf_counter()
-        check_ranks_agree(root)
+        check_ranks_agree(root, states)
         check_times.append(time.perf_counter() - start)
     if rank == 0:
         ratios = [b / a for a, b in zip(times[0], times[1], strict=True)]

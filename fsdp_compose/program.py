@@ -60,6 +60,9 @@ if TYPE_CHECKING:
     from .meshes import DataParallelMesh
     from .state import ShardState
 
+# A prime below 2**61: the trainability signature fits the agreement's int64 row, negated too.
+_SIGNATURE_MODULUS = (1 << 61) - 1
+
 __all__ = [
     "Agreement",
     "Operation",
@@ -70,9 +73,12 @@ __all__ = [
     "StepSchedule",
     "agreement_group",
     "backward_program",
+    "decide_flag_columns",
     "forward_program",
     "gathers",
     "gathers_in_backward",
+    "held_layouts",
+    "issue_agreement",
     "start_agreement",
     "unit_names",
 ]
@@ -394,9 +400,9 @@ class Agreement:
     gradient_somewhere: list[bool]  # per parameter (units in order, then their params): some rank expects a gradient
     quitting: list[int]  # ranks that abandoned the step
     # per unit: the layout some rank holds partial gradients in (2: with "had a gradient" columns, 1: without, 0: no
-    # rank holds any). A window's later buffers must take it on every rank (``step._decide_flag_columns``).
+    # rank holds any). A window's later buffers must take it on every rank (``decide_flag_columns``).
     held_layout: list[int]
-    # The ranks' trainable parameters differ (their signatures, ``step._agree``): their reductions would add up the
+    # The ranks' trainable parameters differ (their signatures, ``issue_agreement``): their reductions would add up the
     # gradients of different parameters where the layouts happen to have the same size. Every rank raises at the end.
     trainability_differs: bool = False
 
@@ -514,3 +520,80 @@ def start_agreement(
     values = torch.tensor(row, dtype=torch.int64, device=schedule.root.device)
     work = all_reduce_max(values, group, async_op=True)
     return PendingAgreement(values, work, reached, expected, held, abandoning=abandoning, checks=checks, owner=owner)
+
+
+def issue_agreement(
+    schedule: StepSchedule,
+    states: list[ShardState],
+    group: dist.ProcessGroup | None,
+    reached: list[bool],
+    *,
+    gradients_held: bool,
+) -> tuple[PendingAgreement, Agreement | None]:
+    """Issue a backward's agreement over ``group`` (``reached``: the units this rank runs in it; ``states``: the
+    schedule's, in registration order; ``gradients_held``: inside an accumulation window), and this rank's own answer
+    where it is the union (None: read the agreement now, since the answer changes what this rank issues)."""
+    # Per parameter: will this rank have a gradient for it (its unit's reduce-scatter needs no flags when some rank
+    # will, for every trainable parameter of the unit)
+    checks = False
+    expected = []
+    every_gradient = True
+    # Does user code act on a gradient as soon as it is delivered (an optimizer step in backward, a
+    # post-accumulate-grad hook)? Then a delivery cannot wait for the final callback: the agreement is read first.
+    acts_on_delivery = False
+    # Which parameters train, as a number every rank compares in the agreement (a polynomial over the flags): ranks
+    # that froze different parameters of equal size would otherwise reduce-scatter them into each other, silently.
+    trained = 0
+    for state in states:
+        checks = checks or state.collective_checks
+        grads = state.grads
+        acts_on_delivery = acts_on_delivery or grads.delivery.on_finished is not None
+        for mp in state.params.shards.params:
+            trained = (trained * 3 + 1 + mp.trainable) % _SIGNATURE_MODULUS
+            got = mp.trainable and grads.input.expects_gradient(mp)
+            expected.append(got)
+            every_gradient = every_gradient and (got or not mp.trainable)
+            if mp.trainable and getattr(mp.sharded, "_post_accumulate_grad_hooks", None):
+                acts_on_delivery = True
+    held = held_layouts(states)
+    pending = start_agreement(
+        schedule,
+        group,
+        reached,
+        abandoning=False,
+        checks=checks,
+        expected=expected,
+        held=held,
+        trained=trained,
+    )
+    # Inside an accumulation window a rank holding nothing for a unit takes the layout other ranks hold it in.
+    layouts_known = True
+    if gradients_held:
+        for layout, state in zip(held, states, strict=True):
+            layouts_known = layouts_known and bool(layout or not state.grads.trainable)
+    if not checks and all(reached) and every_gradient and layouts_known and not acts_on_delivery:
+        return pending, Agreement(reached, expected, [], held)
+    return pending, None
+
+
+def held_layouts(states: list[ShardState]) -> list[int]:
+    """Per unit, the layout this rank holds partial gradients in (``Agreement.held_layout``)."""
+    found = []
+    for state in states:
+        held = state.grads.held_layout()
+        found.append(0 if held is None else 2 if held else 1)
+    return found
+
+
+def decide_flag_columns(states: list[ShardState], agreed: Agreement) -> None:
+    """A unit whose every trainable parameter gets a gradient on some rank reduces without "had a gradient" flags;
+    inside an accumulation window every rank takes the layout some rank already holds (it was decided at the
+    window's first backward, when every rank decided alike, but a rank that got no gradient then holds nothing)."""
+    index = 0
+    for unit_index, state in enumerate(states):
+        needed = False
+        for mp in state.params.shards.params:
+            needed = needed or (mp.trainable and not agreed.gradient_somewhere[index])
+            index += 1
+        layout = agreed.held_layout[unit_index]
+        state.grads.input.flags_needed = needed if layout == 0 else layout == 2

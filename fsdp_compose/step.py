@@ -45,6 +45,9 @@ from .program import (
     StepSchedule,
     agreement_group,
     backward_program,
+    decide_flag_columns,
+    held_layouts,
+    issue_agreement,
     start_agreement,
     unit_names,
 )
@@ -57,9 +60,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["StepContext", "StepPhase", "close_unit", "keep_for_next_forward", "reset_current_step"]
-
-# A prime below 2**61: the trainability signature fits the agreement's int64 row, negated too.
-_SIGNATURE_MODULUS = (1 << 61) - 1
 
 
 class StepContext:
@@ -187,7 +187,9 @@ class StepContext:
                     calls.append(entry)
             running_calls[id(state)] = calls
             reached.append(bool(calls))
-        pending, agreed = _agree(self, reached)
+        pending, agreed = issue_agreement(
+            self.schedule, self.states, self.agreement_group, reached, gradients_held=self.gradients_held
+        )
         read = agreed is None  # this rank's own answer is not the union: the agreement is read now
         if agreed is None:
             try:
@@ -200,7 +202,7 @@ class StepContext:
         hold = not read or bool(agreed.quitting) or agreed.trainability_differs
         for state in self.states:
             state.grads.delivery.hold = hold
-        _decide_flag_columns(self.states, agreed)
+        decide_flag_columns(self.states, agreed)
         for state in self.states:
             recomputes = 0
             for entry in running_calls[id(state)]:
@@ -355,7 +357,7 @@ def reset_current_step(step: StepContext) -> None:
         # of the step it abandons: either way they meet in the backward's agreement, and the step then ends on
         # every rank (another reset_step has nothing left to do).
         reached = [False] * len(step.states)
-        held = _held_layouts(step.states)
+        held = held_layouts(step.states)
         pending = start_agreement(
             step.schedule, step.agreement_group, reached, abandoning=True, checks=False, held=held
         )
@@ -499,7 +501,7 @@ def _zero_walk(step: StepContext, agreed: Agreement, *, replayed: bool) -> Backw
     """The walk of the others' backward, for this rank to complete with zeros (``_as_after_forward``)."""
     if replayed:
         _as_after_forward(step.states)
-    _decide_flag_columns(step.states, agreed)
+    decide_flag_columns(step.states, agreed)
     walk = _build_walk(step, agreed.participants, {})
     if replayed:
         for state in walk.gather_order:
@@ -517,75 +519,6 @@ def _as_after_forward(states: list[ShardState]) -> None:
     for state in states:
         if state.reshard_after_forward and not state.params.gather.explicit:
             state.params.gather.reshard()
-
-
-def _agree(step: StepContext, reached: list[bool]) -> tuple[PendingAgreement, Agreement | None]:
-    """Issue the backward's agreement (``reached``: the units this rank runs in it), and this rank's own answer where
-    it is the union (None: read the agreement now, since the answer changes what this rank issues)."""
-    # Per parameter: will this rank have a gradient for it (its unit's reduce-scatter needs no flags when some rank
-    # will, for every trainable parameter of the unit)
-    checks = False
-    expected = []
-    every_gradient = True
-    # Does user code act on a gradient as soon as it is delivered (an optimizer step in backward, a
-    # post-accumulate-grad hook)? Then a delivery cannot wait for the final callback: the agreement is read first.
-    acts_on_delivery = False
-    # Which parameters train, as a number every rank compares in the agreement (a polynomial over the flags): ranks
-    # that froze different parameters of equal size would otherwise reduce-scatter them into each other, silently.
-    trained = 0
-    for state in step.states:
-        checks = checks or state.collective_checks
-        grads = state.grads
-        acts_on_delivery = acts_on_delivery or grads.delivery.on_finished is not None
-        for mp in state.params.shards.params:
-            trained = (trained * 3 + 1 + mp.trainable) % _SIGNATURE_MODULUS
-            got = mp.trainable and grads.input.expects_gradient(mp)
-            expected.append(got)
-            every_gradient = every_gradient and (got or not mp.trainable)
-            if mp.trainable and getattr(mp.sharded, "_post_accumulate_grad_hooks", None):
-                acts_on_delivery = True
-    held = _held_layouts(step.states)
-    pending = start_agreement(
-        step.schedule,
-        step.agreement_group,
-        reached,
-        abandoning=False,
-        checks=checks,
-        expected=expected,
-        held=held,
-        trained=trained,
-    )
-    # Inside an accumulation window a rank holding nothing for a unit takes the layout other ranks hold it in.
-    layouts_known = True
-    if step.gradients_held:
-        for layout, state in zip(held, step.states, strict=True):
-            layouts_known = layouts_known and bool(layout or not state.grads.trainable)
-    if not checks and all(reached) and every_gradient and layouts_known and not acts_on_delivery:
-        return pending, Agreement(reached, expected, [], held)
-    return pending, None
-
-
-def _held_layouts(states: list[ShardState]) -> list[int]:
-    """Per unit, the layout this rank holds partial gradients in (``Agreement.held_layout``)."""
-    found = []
-    for state in states:
-        held = state.grads.held_layout()
-        found.append(0 if held is None else 2 if held else 1)
-    return found
-
-
-def _decide_flag_columns(states: list[ShardState], agreed: Agreement) -> None:
-    """A unit whose every trainable parameter gets a gradient on some rank reduces without "had a gradient" flags;
-    inside an accumulation window every rank takes the layout some rank already holds (it was decided at the
-    window's first backward, when every rank decided alike, but a rank that got no gradient then holds nothing)."""
-    index = 0
-    for unit_index, state in enumerate(states):
-        needed = False
-        for mp in state.params.shards.params:
-            needed = needed or (mp.trainable and not agreed.gradient_somewhere[index])
-            index += 1
-        layout = agreed.held_layout[unit_index]
-        state.grads.input.flags_needed = needed if layout == 0 else layout == 2
 
 
 def _recomputes_inside(running_calls: dict[int, list[ForwardCall]]) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -161,6 +163,29 @@ def test_describe_schedule_prints_the_declared_order(run_dist) -> None:
         assert lines[0 + 1].strip().startswith("0 (root): all_gather(forward), reduce_scatter")
         assert "(root) -> blocks.1 -> blocks.0" in before
         assert "blocks.1 -> blocks.0 -> (root)" in before
+
+
+def _example_gpt_schedule(rank: int, ws: int) -> str:
+    model = GPT(GPTConfig(n_layers=2))
+    mesh = mesh_1d(ws)
+    for block in model.blocks:
+        fc.fully_shard(block, mesh=mesh)
+    fc.fully_shard(model, mesh=mesh)
+    return fc.describe_schedule(model)
+
+
+def _without_group_numbers(text: str) -> str:
+    """Process groups are numbered in creation order, which depends on what the process created before."""
+    return re.sub(r"process group \d+", "process group N", text).strip()
+
+
+def test_the_printed_schedule_in_the_docs_is_the_example_gpts(run_dist) -> None:
+    """docs/schedule.md shows the example GPT's operation list: it is what describe_schedule prints on each rank."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "schedule.md").read_text()
+    section = doc.split("## The schedule of the example GPT", 1)[1]
+    printed = section.split("```", 2)[1]
+    for text in run_dist(2, _example_gpt_schedule):
+        assert _without_group_numbers(text) == _without_group_numbers(printed)
 
 
 def _protocol_only_unit(rank: int, ws: int) -> dict[str, Any]:

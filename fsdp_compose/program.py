@@ -484,7 +484,9 @@ class PendingAgreement:
             )
         participants = list(map(bool, result[: len(self.reached)]))
         expected = list(map(bool, result[len(self.reached) : masks]))
-        differs = result[n + world + 2] != -result[n + world + 3]
+        # An abandoning rank sends no signature (its reset knows nothing of trainability): only a step nobody
+        # abandoned compares them, as with the fingerprints.
+        differs = not quitting and result[n + world + 2] != -result[n + world + 3]
         return Agreement(participants, expected, quitting, list(map(int, result[masks:n])), differs)
 
 

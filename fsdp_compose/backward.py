@@ -15,7 +15,7 @@ backward is here:
   backward runs here has (``awaiting``), then the reduce cursor issues every reduction whose turn has come;
 - ``make_room`` / ``issue_reductions``: the window: older reduce-scatters complete before a new input is filled (on
   an accelerator) or before the new one is issued (on CPU);
-- ``complete``: the rest of the order, in the final callback or when a step is abandoned.
+- ``issue_rest`` / ``wait_rest``: the rest of the order, in the final callback or when a step is abandoned.
 """
 
 from __future__ import annotations
@@ -322,18 +322,27 @@ class BackwardWalk:
                     still.append(state)
             self.reducing = still
 
-    def complete(self) -> None:
-        """Issue and wait for the rest of this backward's collectives, in the agreed order.
+    def issue_rest(self) -> None:
+        """Issue the rest of this backward's collectives, in the agreed order; ``wait_rest`` completes them.
 
-        The final callback and an abandoned step share it, so both end at the same point on every rank: every
-        backward all-gather the cursor has not passed (units this rank never needed; each freed once done), every
-        unit not finished yet (its post-backward never came here), every reduction left, then the waits.
+        The final callback and an abandoned step share it, so both issue the same on every rank: every backward
+        all-gather the cursor has not passed (units this rank never needed; each freed once done), every unit not
+        finished yet (its post-backward never came here), every reduction left, and HSDP's all-reduces over
+        replicas. Then every operation of the program but the closing word is out, and the closing word can go out
+        before the waits, overlapping them.
         """
         self._advance_gathers(len(self.gather_order) - 1)
         for state in self.reduce_order:
             if not state.record.done:
                 self._finish_unit(state)
         self.issue_reductions(final=True)
-        for state in self.reduce_order:  # the reductions overlapped the rest of backward: wait for what is left
+        for state in self.reduce_order:
+            grads = state.grads
+            if grads.state is GradState.REDUCE_SCATTERING and grads.spec.dp.replicate_group is not None:
+                self._run("all_reduce", state, grads, grads.advance)  # on CPU after its reduce-scatter's wait
+
+    def wait_rest(self) -> None:
+        """Wait for every reduction still in flight (they overlapped the rest of backward) and hand the rows out."""
+        for state in self.reduce_order:
             self._run("all_reduce", state, state.grads, state.grads.finish)
         self.reducing = []

@@ -232,11 +232,13 @@ class StepContext:
             bp = self.backward
             if bp is None:
                 return
-            bp.complete()
+            bp.issue_rest()
+            word = _closing_word(self, abandoning=False, program=bp.program)
+            bp.wait_rest()
             agreed = self.agreement.result() if self.agreement is not None else None
             self.agreement = None
             quitting = agreed.quitting if agreed is not None else []
-            quitting += _closing_word(self, abandoning=False, program=bp.program)
+            quitting += word.result().quitting
             if not quitting and agreed is not None and agreed.trainability_differs:
                 self.abandon(agreed=True)
                 self.ended_everywhere = True
@@ -314,15 +316,17 @@ class StepContext:
             for mp in state.params.shards.params:
                 if mp.full is not None:
                     mp.full.grad = None  # partial; the reductions below carry zeros in their place
-        walked = self.backward is not None and not agreed
-        if walked:
-            self.backward.complete()  # type: ignore[union-attr]
+        walk = self.backward if not agreed else None
+        if walk is not None:
+            walk.issue_rest()
+            # The others raise StepAbandoned at the end of their backward.
+            word = _closing_word(self, abandoning=True)
+            walk.wait_rest()
+            word.wait()
+            self.ended_everywhere = True
         if self.agreement is not None:
             self.agreement.wait()  # issued by every rank: completed by every rank, its answer unused
         self.agreement = None
-        if walked:
-            _closing_word(self, abandoning=True)  # the others raise StepAbandoned at the end of their backward
-            self.ended_everywhere = True
         for state in self.states:
             state.grads.delivery.hold = False
             state.grads.discard()
@@ -412,10 +416,11 @@ def close_unit(state: ShardState) -> None:
             gather.reshard()
 
 
-def _closing_word(step: StepContext, *, abandoning: bool, program: Program | None = None) -> list[int]:
-    """The ranks that abandoned this backward after its agreement (an exception inside it, then ``fc.reset_step``):
-    one small all-reduce, issued by every rank once its walk is complete (docs/schedule.md, "The end of a step").
-    Then every operation of the backward's ``program`` has been issued."""
+def _closing_word(step: StepContext, *, abandoning: bool, program: Program | None = None) -> PendingAgreement:
+    """Issue the word that tells which ranks abandoned this backward after its agreement (an exception inside it,
+    then ``fc.reset_step``): one small all-reduce, issued by every rank once its walk has issued everything, before
+    the waits, so it overlaps them (docs/schedule.md, "The end of a step"). Then every operation of the backward's
+    ``program`` has been issued."""
     word = start_agreement(
         step.schedule, step.agreement_group, [], abandoning=abandoning, checks=False, expected=[], held=[]
     )
@@ -423,7 +428,7 @@ def _closing_word(step: StepContext, *, abandoning: bool, program: Program | Non
         if step.agreement_group is not None:
             program.expect("closing_word", step.root, step._where)
         program.check_done(step._where)
-    return word.result().quitting
+    return word
 
 
 def _build_walk(

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compose as fc
 import fsdp_compose.delivery as delivery_module
+import fsdp_compose.grads as grads_module
 import fsdp_compose.step as step_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.step import StepContext
@@ -242,14 +243,20 @@ def _order_of_backward(rank: int, ws: int, case: str) -> dict[str, Any]:
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     events: list[str] = []
     original = schedule_module.PendingAgreement.result
+    wait_reduce_scatter = grads_module.UnitGradients._wait_reduce_scatter
 
     def result(self: Any) -> Any:
         if not self.known:
             events.append("agreement waited")
         return original(self)
 
+    def waited(self: Any, flight: Any) -> None:
+        events.append("reduce_scatter waited")
+        wait_reduce_scatter(self, flight)
+
     orders = []
     schedule_module.PendingAgreement.result = result  # type: ignore[method-assign]
+    grads_module.UnitGradients._wait_reduce_scatter = waited  # type: ignore[method-assign]
     try:
         for step in range(2):
             x, y = synthetic_batch(cfg, 4, step)
@@ -265,6 +272,7 @@ def _order_of_backward(rank: int, ws: int, case: str) -> dict[str, Any]:
             opt.zero_grad()
     finally:
         schedule_module.PendingAgreement.result = original  # type: ignore[method-assign]
+        grads_module.UnitGradients._wait_reduce_scatter = wait_reduce_scatter  # type: ignore[method-assign]
     from tests.dist_utils import max_param_diff
 
     return {"orders": orders, "diff": max_param_diff(model, reference)}
@@ -273,12 +281,18 @@ def _order_of_backward(rank: int, ws: int, case: str) -> dict[str, Any]:
 @pytest.mark.parametrize("ws", [2, 4])
 def test_backward_issues_every_collective_before_it_waits_for_the_agreement(run_dist, ws: int) -> None:
     """The common path (every unit reached, every trainable parameter expects a gradient): the host reads the
-    backward's agreement only in the final callback, after every all-gather and reduce-scatter of the backward."""
+    backward's agreement only in the final callback, after every all-gather and reduce-scatter of the backward. The
+    closing word (the backward's second all-reduce) goes out right after the last reduce-scatter, before the wait
+    for it, so the two complete side by side."""
     for result in run_dist(ws, _order_of_backward, "plain"):
         for order in result["orders"]:
             waited = order.index("agreement waited")
             issued = [i for i, kind in enumerate(order) if kind in ("all_gather", "reduce_scatter")]
             assert order.count("reduce_scatter") == 4 and issued and max(issued) < waited, order
+            closing_word = len(order) - 1 - order[::-1].index("all_reduce")
+            assert order.count("all_reduce") == 2 and closing_word == max(issued) + 1, order
+            last_wait = len(order) - 1 - order[::-1].index("reduce_scatter waited")
+            assert closing_word < last_wait, order
         assert result["diff"] <= SGD_TOL
 
 

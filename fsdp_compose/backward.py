@@ -323,14 +323,10 @@ class BackwardWalk:
             self.reducing = still
 
     def issue_rest(self) -> None:
-        """Issue the rest of this backward's collectives, in the agreed order; ``wait_rest`` completes them.
-
-        The final callback and an abandoned step share it, so both issue the same on every rank: every backward
-        all-gather the cursor has not passed (units this rank never needed; each freed once done), every unit not
-        finished yet (its post-backward never came here), every reduction left, and HSDP's all-reduces over
-        replicas. Then every operation of the program but the closing word is out, and the closing word can go out
-        before the waits, overlapping them.
-        """
+        """Issue the rest of this backward's collectives in the agreed order (``wait_rest`` completes them): every
+        backward all-gather the cursor has not passed (units this rank never needed; each freed once done), every unit
+        not finished (its post-backward never came here), every reduction left, HSDP's all-reduces over replicas.
+        The final callback and an abandoned step share it, so both issue the same on every rank."""
         self._advance_gathers(len(self.gather_order) - 1)
         for state in self.reduce_order:
             if not state.record.done:

@@ -233,12 +233,13 @@ class StepContext:
             if bp is None:
                 return
             bp.issue_rest()
-            word = _closing_word(self, abandoning=False, program=bp.program)
-            bp.wait_rest()
+            # Read before the waits for the reductions in flight: on an accelerator the host then waits for the
+            # backward's compute and this small all-reduce only, and the optimizer's kernels queue behind the rest.
+            word = _closing_word(self, abandoning=False, program=bp.program).result()
             agreed = self.agreement.result() if self.agreement is not None else None
             self.agreement = None
             quitting = agreed.quitting if agreed is not None else []
-            quitting += word.result().quitting
+            quitting += word.quitting
             if not quitting and agreed is not None and agreed.trainability_differs:
                 self.abandon(agreed=True)
                 self.ended_everywhere = True
@@ -250,7 +251,7 @@ class StepContext:
                     "differ, at the next forward"
                 )
             if quitting:
-                # Every rank has completed this backward's collectives: drop what it reduced, on every rank.
+                # Every rank has issued this backward's collectives: complete them and drop what they reduced.
                 self.abandon(agreed=True)
                 self.ended_everywhere = True
                 raise StepAbandoned(
@@ -258,6 +259,7 @@ class StepContext:
                     f"backward under {self.root.params.owner_name}: no gradient of it is kept on any rank. Skip the "
                     "step (fc.reset_step here does nothing more); the next forward starts a new one"
                 )
+            bp.wait_rest()
             for state in self.states:
                 state.grads.input.flags_needed = True  # what reduces outside a backward cannot know who has what
                 state.grads.delivery.hold = False

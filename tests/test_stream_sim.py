@@ -17,8 +17,11 @@ import pytest
 
 import fsdp_compose.delivery as delivery_module
 import fsdp_compose.gathering as gathering_module
+import fsdp_compose.grads as grads_module
 import fsdp_compose.program as schedule_module
 import fsdp_compose.step as step_module
+from examples.gpt_model import GPTConfig
+from tests.dist_utils import mesh_1d, reference_and_copy, shard_gpt, train_pair
 from tests.random_models import config_from_seed
 from tests.stream_sim import SimStream, on_recording_streams, recording_streams
 from tests.test_accelerator_path import CASES as SWEEP_CASES
@@ -228,3 +231,46 @@ def test_the_side_stream_waits_for_compute_once_per_forward(run_dist) -> None:
         assert counts["forwards"] > 0 and counts["side_gathers"] > 2 * counts["forwards"], counts
         assert counts["waits_for_compute"] == counts["forwards"], counts
         assert counts["waits_for_copy_out"] == counts["side_gathers"], counts
+
+
+# ------------------------------------------------------------------------- the end of backward's host read
+def _closing_word_reads(rank: int, ws: int) -> dict[str, Any]:
+    """Per backward: had the current stream waited for the last reduce-scatter when the host read the closing word?
+    And the parameters after three SGD steps against the reference."""
+    cfg = GPTConfig(n_layers=3)
+    reference, model = reference_and_copy(cfg)
+    reduce_groups: set[str] = set()
+    reads: list[bool] = []
+    flat, result = grads_module.reduce_scatter_flat, schedule_module.PendingAgreement.result
+
+    def reduce_scatter(output: Any, input: Any, group: Any, **kwargs: Any) -> Any:
+        reduce_groups.add(f"comm:{group.group_name}")
+        return flat(output, input, group, **kwargs)
+
+    with recording_streams(seed=rank) as sim:
+
+        def read(pending: Any) -> Any:
+            if not pending.known and not pending.reached:  # the closing word: it carries no participation mask
+                current = sim.current
+                reads.append(all(current.knows(name, sim.streams[name].seq) for name in reduce_groups))
+            return result(pending)
+
+        grads_module.reduce_scatter_flat = reduce_scatter  # type: ignore[assignment]
+        schedule_module.PendingAgreement.result = read  # type: ignore[method-assign]
+        try:
+            shard_gpt(model, mesh_1d(ws))
+            diff = train_pair(rank, ws, model, reference, cfg)
+        finally:
+            grads_module.reduce_scatter_flat = flat
+            schedule_module.PendingAgreement.result = result  # type: ignore[method-assign]
+    return {"reads": reads, "groups": len(reduce_groups), "diff": diff, "violations": sim.violations}
+
+
+def test_the_host_reads_the_closing_word_before_the_last_reduction_completes(run_dist) -> None:
+    """On an accelerator the end of backward's one host wait (the closing word's read) covers the backward's compute
+    and that small all-reduce, not the last reduce-scatter: the waits for the reductions in flight queue after it."""
+    for result in run_dist(2, _closing_word_reads):
+        assert not result["violations"], result["violations"]
+        assert result["groups"] == 1 and len(result["reads"]) == 3, result
+        assert not any(result["reads"]), result
+        assert result["diff"] <= 1e-5, result

@@ -21,7 +21,7 @@ import fsdp_compose.grads as grads_module
 import fsdp_compose.program as schedule_module
 import fsdp_compose.step as step_module
 from examples.gpt_model import GPTConfig
-from tests.dist_utils import mesh_1d, reference_and_copy, shard_gpt, train_pair
+from tests.dist_utils import mesh_1d, mesh_nd, reference_and_copy, shard_gpt, train_pair
 from tests.random_models import config_from_seed
 from tests.stream_sim import SimStream, on_recording_streams, recording_streams
 from tests.test_accelerator_path import CASES as SWEEP_CASES
@@ -234,18 +234,21 @@ def test_the_side_stream_waits_for_compute_once_per_forward(run_dist) -> None:
 
 
 # ------------------------------------------------------------------------- the end of backward's host read
-def _closing_word_reads(rank: int, ws: int) -> dict[str, Any]:
-    """Per backward: had the current stream waited for the last reduce-scatter when the host read the closing word?
-    And the parameters after three SGD steps against the reference."""
+def _closing_word_reads(rank: int, ws: int, hsdp: bool) -> dict[str, Any]:
+    """Per backward: had the current stream waited for the last reduction (the reduce-scatter; under HSDP the
+    all-reduce over replicas) when the host read the closing word? And the parameters after three SGD steps against
+    the reference."""
     cfg = GPTConfig(n_layers=3)
     reference, model = reference_and_copy(cfg)
     reduce_groups: set[str] = set()
     reads: list[bool] = []
-    flat, result = grads_module.reduce_scatter_flat, schedule_module.PendingAgreement.result
+    last = grads_module.all_reduce if hsdp else grads_module.reduce_scatter_flat
+    result = schedule_module.PendingAgreement.result
 
-    def reduce_scatter(output: Any, input: Any, group: Any, **kwargs: Any) -> Any:
+    def reduction(output: Any, *args: Any, **kwargs: Any) -> Any:
+        group = args[-1] if args else kwargs["group"]
         reduce_groups.add(f"comm:{group.group_name}")
-        return flat(output, input, group, **kwargs)
+        return last(output, *args, **kwargs)
 
     with recording_streams(seed=rank) as sim:
 
@@ -255,21 +258,23 @@ def _closing_word_reads(rank: int, ws: int) -> dict[str, Any]:
                 reads.append(all(current.knows(name, sim.streams[name].seq) for name in reduce_groups))
             return result(pending)
 
-        grads_module.reduce_scatter_flat = reduce_scatter  # type: ignore[assignment]
+        setattr(grads_module, last.__name__, reduction)
         schedule_module.PendingAgreement.result = read  # type: ignore[method-assign]
         try:
-            shard_gpt(model, mesh_1d(ws))
+            shard_gpt(model, mesh_nd((2, 2), ("replicate", "shard")) if hsdp else mesh_1d(ws))
             diff = train_pair(rank, ws, model, reference, cfg)
         finally:
-            grads_module.reduce_scatter_flat = flat
+            setattr(grads_module, last.__name__, last)
             schedule_module.PendingAgreement.result = result  # type: ignore[method-assign]
     return {"reads": reads, "groups": len(reduce_groups), "diff": diff, "violations": sim.violations}
 
 
-def test_the_host_reads_the_closing_word_before_the_last_reduction_completes(run_dist) -> None:
+@pytest.mark.parametrize(("ws", "hsdp"), [(2, False), (4, True)])
+def test_the_host_reads_the_closing_word_before_the_last_reduction_completes(run_dist, ws: int, hsdp: bool) -> None:
     """On an accelerator the end of backward's one host wait (the closing word's read) covers the backward's compute
-    and that small all-reduce, not the last reduce-scatter: the waits for the reductions in flight queue after it."""
-    for result in run_dist(2, _closing_word_reads):
+    and that small all-reduce, not the last reduction (under HSDP the last all-reduce over replicas, which follows
+    the reduce-scatter on the stream): the waits for the reductions in flight queue after it."""
+    for result in run_dist(ws, _closing_word_reads, hsdp):
         assert not result["violations"], result["violations"]
         assert result["groups"] == 1 and len(result["reads"]) == 3, result
         assert not any(result["reads"]), result

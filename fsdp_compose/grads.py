@@ -37,19 +37,15 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from .collectives import Work, all_reduce, labelled, reduce_scatter_flat
-from .delivery import GradientDelivery, ReduceSpec, RowsLayout
+from .delivery import GradientDelivery, ReduceSpec, RowsLayout, divide_factors
 from .flat import ManagedParam
 from .sharding import FlatLayout, chunk_rows, write_grad_into_segments
 from .transitions import internal_error, transition_error
-
-if TYPE_CHECKING:
-    from .meshes import DataParallelMesh
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +54,6 @@ __all__ = [
     "ReduceScatterInput",
     "ReduceSpec",
     "UnitGradients",
-    "divide_factors",
     "gradient_node",
     "local_grad",
 ]
@@ -585,24 +580,3 @@ class UnitGradients:
         self.delivery.marks = {}
         self.dropping = False
         self.state = GradState.IDLE
-
-
-def divide_factors(dp: DataParallelMesh, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
-    """(pre, post) divisors whose product is the divide factor (default: the data-parallel size, replicas included).
-
-    The data-parallel size is asked now, not taken from the mesh at ``fully_shard``: the shard size times the
-    replicate group's current ``size()``. For c10d's groups that is the mesh's replicate size; a group that changes
-    size (torchft's managed group: the live replicas) is asked at each reduction, as torch's ``fully_shard`` does (it
-    asks the group for AVG or divides by its ``size()`` there). A size below 1 (torchft before any quorum) counts as 1.
-
-    fp16 has a small range: the sum over ``world_size`` ranks of in-range values can overflow, so for fp16 every rank
-    pre-divides by ``world_size`` (the sum of the quotients is then an average, in range whenever the inputs are) and
-    the rest of the factor is applied after. Other dtypes have fp32's range: one post-division is the most accurate.
-    """
-    replicas = dp.replicate_group
-    world_size = dp.shard_size if replicas is None else dp.shard_size * max(1, replicas.size())
-    total = float(world_size if divide_factor is None else divide_factor)
-    if reduce_dtype != torch.float16 or world_size <= 1:
-        return 1.0, total
-    pre = float(world_size)
-    return pre, total / pre

@@ -240,25 +240,27 @@ class StepContext:
             self.agreement = None
             quitting = agreed.quitting if agreed is not None else []
             quitting += word.quitting
-            if not quitting and agreed is not None and agreed.trainability_differs:
-                self.abandon(agreed=True)
-                self.ended_everywhere = True
-                raise RuntimeError(
-                    f"fsdp_compose: the ranks train different parameters under {self.root.params.owner_name} (their "
-                    "requires_grad differ): their reductions would mix the gradients of different parameters, so no "
-                    "gradient of this step is kept on any rank. Freeze and unfreeze the same parameters on every rank "
-                    "at the same step; fc.set_collective_checks(model, True) names the unit and the parameters that "
-                    "differ, at the next forward"
-                )
+            owner = self.root.params.owner_name
+            error: RuntimeError | None = None
             if quitting:
+                error = StepAbandoned(
+                    f"fsdp_compose: rank(s) {quitting} abandoned this step (fc.reset_step) while this rank ran its "
+                    f"backward under {owner}: no gradient of it is kept on any rank. Skip the step (fc.reset_step "
+                    "here does nothing more); the next forward starts a new one"
+                )
+            elif agreed is not None and agreed.trainability_differs:
+                error = RuntimeError(
+                    f"fsdp_compose: the ranks train different parameters under {owner} (their requires_grad differ): "
+                    "their reductions would mix the gradients of different parameters, so no gradient of this step "
+                    "is kept on any rank. Freeze and unfreeze the same parameters on every rank at the same step; "
+                    "fc.set_collective_checks(model, True) names the unit and the parameters that differ, at the "
+                    "next forward"
+                )
+            if error is not None:
                 # Every rank has issued this backward's collectives: complete them and drop what they reduced.
                 self.abandon(agreed=True)
                 self.ended_everywhere = True
-                raise StepAbandoned(
-                    f"fsdp_compose: rank(s) {quitting} abandoned this step (fc.reset_step) while this rank ran its "
-                    f"backward under {self.root.params.owner_name}: no gradient of it is kept on any rank. Skip the "
-                    "step (fc.reset_step here does nothing more); the next forward starts a new one"
-                )
+                raise error
             bp.wait_rest()
             for state in self.states:
                 state.grads.input.flags_needed = True  # what reduces outside a backward cannot know who has what

@@ -4,6 +4,7 @@
     python benchmarks/gpu.py --compile                        # each block torch.compile'd (both implementations)
     python benchmarks/gpu.py --offload --layers 6 --ac off    # CPUOffloadPolicy(pin_memory=True) for both
     python benchmarks/gpu.py --device cpu --tiny --steps 2    # smoke run (what tests/test_gpu_benchmark.py runs)
+    python benchmarks/gpu.py --fake-ws 8 --replicate 2        # rank 0 of 2 x 4 (HSDP) under torch's fake process group
 
 Self-contained (no repository imports besides fsdp_compose): a world of one rank (NCCL on CUDA, gloo on CPU) through
 a ``HashStore``, so no ``torchrun``. Both implementations shard every block and then the root with
@@ -12,6 +13,12 @@ batches, and run interleaved (A, B, A, B, ...) so drift hits both alike. Per act
 the median step time, the median of the per-step ratios, and the peak ``max_memory_allocated`` of each
 implementation's steps (both models stay resident, so the peak above the step's starting allocation is shown too).
 The device name goes into the output: record it with the figures.
+
+``--fake-ws N`` runs this process as rank 0 of N under torch's fake process group, which completes every collective
+at once without moving data: one rank's shards, gather buffers, reduce-scatter inputs and compute, so the peak is
+what a rank of N holds and the step is one rank's work without the network (the losses are not meaningful). It is how
+one GPU measures the sharded peak and runs the multi-rank accelerator path (several reductions in flight, the
+agreement's read, HSDP's all-reduce over replicas).
 """
 
 from __future__ import annotations
@@ -222,6 +229,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--offload", action="store_true", help="CPUOffloadPolicy(pin_memory=True) (both)")
     parser.add_argument("--layers", type=int, help="blocks of the model (default: the config's)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--fake-ws", type=int, default=1, help="rank 0 of this many under the fake process group")
+    parser.add_argument("--replicate", type=int, default=1, help="with --fake-ws: replicas (HSDP: replicate x shard)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -230,16 +239,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cfg = TINY if args.tiny else LlamaConfig()
     if args.layers:
         cfg = dataclasses.replace(cfg, layers=args.layers)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if args.fake_ws > 1:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_ws)
+    else:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = init_device_mesh(device.type, (1,))
+        if args.replicate > 1:
+            shape = (args.replicate, args.fake_ws // args.replicate)
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (args.fake_ws,))
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         params = sum(p.numel() for p in Llama(cfg).parameters()) if args.tiny else _param_count(cfg)
         print(f"device: {name}; torch {torch.__version__}; {params:,} parameters; {asdict(cfg)}")
         print(
             f"bf16 params, fp32 reduce, AdamW; compile={args.compile}; offload={args.offload}; "
-            f"{args.steps} steps after {args.warmup}"
+            f"{args.steps} steps after {args.warmup}; mesh {tuple(mesh.shape)}"
+            + (" (rank 0 under the fake process group)" if args.fake_ws > 1 else "")
         )
         results = []
         for ac in (False, True) if args.ac == "both" else (args.ac == "on",):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 import tempfile
@@ -280,10 +281,10 @@ def run_cases(rank: int, ws: int, device_type: str, names: list[str]) -> list[di
 
 
 # ------------------------------------------------------------------------------------------------------ host waits
-def host_syncs(device: torch.device, offload: str = "none") -> dict[str, Any]:
+def host_syncs(device: torch.device, offload: str = "none", shape: tuple[int, ...] = (1,)) -> dict[str, Any]:
     """Where one training step (after two warm-up steps) makes the host wait for the device, per phase, for
-    fsdp_compose and torch's ``fully_shard`` on one rank; ``offload``: "none", "pinned" or "pageable" (CPU offload
-    with or without page-locked host memory).
+    fsdp_compose and torch's ``fully_shard`` on rank 0 of a mesh of ``shape`` (2D: replicate x shard); ``offload``:
+    "none", "pinned" or "pageable" (CPU offload with or without page-locked host memory).
 
     ``torch.cuda.set_sync_debug_mode("warn")`` reports every synchronizing call (``.item()``, ``.tolist()``, blocking
     copies to the host, stream synchronization) as a warning, counted per phase with the Python line it names. Then
@@ -292,7 +293,7 @@ def host_syncs(device: torch.device, offload: str = "none") -> dict[str, Any]:
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = _mesh(device.type, (1,))
+    mesh = _mesh(device.type, shape, ("replicate", "shard") if len(shape) == 2 else None)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload_policy = OffloadPolicy() if offload == "none" else CPUOffloadPolicy(pin_memory=offload == "pinned")
     out: dict[str, Any] = {}
@@ -406,6 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=240.0, help="per world")
     parser.add_argument("--host-syncs", action="store_true")
     parser.add_argument("--json", help="write every result here")
+    parser.add_argument(
+        "--fake-mesh",
+        action="append",
+        default=[],
+        help="with --host-syncs: also rank 0 of this mesh (4, 2x2, ...) under torch's fake process group, which "
+        "completes collectives at once without data: the multi-rank path's host waits (the agreement) on one GPU",
+    )
     args = parser.parse_args(argv)
     names = args.case or list(CASES)
     rows: list[dict[str, Any]] = []
@@ -422,13 +430,21 @@ def main(argv: list[str] | None = None) -> int:
         rows += world
     report: dict[str, Any] = {"rows": rows}
     if args.host_syncs:
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            torch.cuda.set_device(0)
-            for offload in ("none", "pinned", "pageable"):
-                report[f"host_syncs offload={offload}"] = host_syncs(torch.device("cuda", 0), offload)
-        finally:
-            dist.destroy_process_group()
+        for shape in [(1,)] + [tuple(int(n) for n in spec.split("x")) for spec in args.fake_mesh]:
+            if shape == (1,):
+                dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+            else:
+                from torch.testing._internal.distributed.fake_pg import FakeStore
+
+                dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
+            _MESHES.clear()  # a mesh belongs to the process group it was made in
+            try:
+                torch.cuda.set_device(0)
+                where = "" if shape == (1,) else f" mesh={'x'.join(map(str, shape))} (fake)"
+                for offload in ("none", "pinned", "pageable") if shape == (1,) else ("none",):
+                    report[f"host_syncs{where} offload={offload}"] = host_syncs(torch.device("cuda", 0), offload, shape)
+            finally:
+                dist.destroy_process_group()
         for key, impls in report.items():
             if not key.startswith("host_syncs"):
                 continue

@@ -446,14 +446,26 @@ class PendingAgreement:
     def known(self) -> bool:
         return self._result is not None
 
-    def result(self) -> Agreement:
-        """Wait for the all-reduce (the host's one wait for it) and decode it.
+    def result(self, also: PendingAgreement | None = None) -> Agreement:
+        """Wait for the all-reduce (the host's one wait for it) and decode it. ``also``: another agreement of this
+        step still unread, read in the same transfer: on an accelerator each read from the device is a host wait,
+        and the end of a backward reads two (the closing word and the backward's agreement) in one.
 
         Raises ``RuntimeError`` when fingerprints differ (collective checks on): a rank with checks on waits for the
         agreement before any other collective of its backward, so nothing hangs.
         """
         if self._result is None:
-            self._result = self._decode()
+            rows = None
+            if self.values is not None:
+                self.wait()
+                if also is not None and also._result is None and also.values is not None:
+                    also.wait()
+                    rows = torch.cat((self.values, also.values)).tolist()
+                    also._result = also._decode(rows[self.values.numel() :])
+                    rows = rows[: self.values.numel()]
+                else:
+                    rows = self.values.tolist()
+            self._result = self._decode(rows)
         return self._result
 
     def wait(self) -> None:
@@ -462,13 +474,10 @@ class PendingAgreement:
             self.work.wait()
             self.work = None
 
-    def _decode(self) -> Agreement:
+    def _decode(self, result: list[int] | None) -> Agreement:
         me = dist.get_rank() if dist.is_initialized() else 0
-        values = self.values
-        if values is None:  # this rank is the only data-parallel rank
+        if result is None:  # this rank is the only data-parallel rank
             return Agreement(self.reached, self.expected, [me] if self.abandoning else [], self.held)
-        self.wait()
-        result = values.tolist()
         world = dist.get_world_size()
         masks = len(self.reached) + len(self.expected)
         n = masks + len(self.held)
@@ -519,7 +528,10 @@ def start_agreement(
     if abandoning:
         flags[dist.get_rank()] = 1
     row = [*map(int, reached), *map(int, expected), *held, *flags, fingerprint, -fingerprint, trained, -trained]
-    values = torch.tensor(row, dtype=torch.int64, device=schedule.root.device)
+    # Built in page-locked memory where the device is an accelerator: a copy from pageable memory would make the
+    # host wait for every kernel queued before it (the whole forward, at the start of a backward).
+    device = schedule.root.device
+    values = torch.tensor(row, dtype=torch.int64, pin_memory=device.type != "cpu").to(device, non_blocking=True)
     work = all_reduce_max(values, group, async_op=True)
     return PendingAgreement(values, work, reached, expected, held, abandoning=abandoning, checks=checks, owner=owner)
 

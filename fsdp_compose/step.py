@@ -235,8 +235,8 @@ class StepContext:
             bp.issue_rest()
             # Read before the waits for the reductions in flight: on an accelerator the host then waits for the
             # backward's compute and this small all-reduce only, and the optimizer's kernels queue behind the rest.
-            word = _closing_word(self, abandoning=False, program=bp.program).result()
-            agreed = self.agreement.result() if self.agreement is not None else None
+            word = _closing_word(self, abandoning=False, program=bp.program).result(also=self.agreement)
+            agreed = self.agreement.result() if self.agreement is not None else None  # read with the word
             self.agreement = None
             quitting = agreed.quitting if agreed is not None else []
             quitting += word.quitting

@@ -245,10 +245,10 @@ def _order_of_backward(rank: int, ws: int, case: str) -> dict[str, Any]:
     original = schedule_module.PendingAgreement.result
     wait_reduce_scatter = grads_module.UnitGradients._wait_reduce_scatter
 
-    def result(self: Any) -> Any:
+    def result(self: Any, also: Any = None) -> Any:
         if not self.known:
             events.append("agreement waited")
-        return original(self)
+        return original(self, also)
 
     def waited(self: Any, flight: Any) -> None:
         events.append("reduce_scatter waited")
@@ -283,9 +283,10 @@ def test_backward_issues_every_collective_before_it_waits_for_the_agreement(run_
     """The common path (every unit reached, every trainable parameter expects a gradient): the host reads the
     backward's agreement only in the final callback, after every all-gather and reduce-scatter of the backward. The
     closing word (the backward's second all-reduce) goes out right after the last reduce-scatter, before the wait
-    for it, so the two complete side by side."""
+    for it, so the two complete side by side; the host reads both in one transfer (on an accelerator, one wait)."""
     for result in run_dist(ws, _order_of_backward, "plain"):
         for order in result["orders"]:
+            assert order.count("agreement waited") == 1, order
             waited = order.index("agreement waited")
             issued = [i for i, kind in enumerate(order) if kind in ("all_gather", "reduce_scatter")]
             assert order.count("reduce_scatter") == 4 and issued and max(issued) < waited, order

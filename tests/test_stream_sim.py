@@ -252,11 +252,11 @@ def _closing_word_reads(rank: int, ws: int, hsdp: bool) -> dict[str, Any]:
 
     with recording_streams(seed=rank) as sim:
 
-        def read(pending: Any) -> Any:
+        def read(pending: Any, also: Any = None) -> Any:
             if not pending.known and not pending.reached:  # the closing word: it carries no participation mask
                 current = sim.current
                 reads.append(all(current.knows(name, sim.streams[name].seq) for name in reduce_groups))
-            return result(pending)
+            return result(pending, also)
 
         setattr(grads_module, last.__name__, reduction)
         schedule_module.PendingAgreement.result = read  # type: ignore[method-assign]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent GPU, one call: the accelerator-path checks, where a step makes the host wait, and the GPU benchmarks.
 # Run from the repository root on the device machine (its python3 has torch); logs and JSON go to $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_session.sh            # everything (about 7 minutes on an H200)
+#   bash benchmarks/gpu_session.sh            # everything (about 4 minutes on an H200)
 #   bash benchmarks/gpu_session.sh checks     # tests/cuda_check.py and the host waits only
 #   bash benchmarks/gpu_session.sh main       # everything but CPU offload
 # Several ranks on one GPU: NCCL refuses two ranks on one device and gloo with CUDA tensors crashed (SIGSEGV) at 2
@@ -33,5 +33,8 @@ bench 150 --fake-ws 8 --replicate 2 --ac off --steps 6 --warmup 2   # rank 0 of 
 bench 90 --tiny --steps 30 --warmup 5                       # host-bound, one rank
 bench 90 --tiny --fake-ws 4 --steps 30 --warmup 5           # host-bound, rank 0 of 4
 bench 200 --compile --layers 4 --ac off --steps 5 --warmup 3
+for ac in on off; do  # who holds the bytes at the peak, rank 0 of 8
+  timeout 120 python3 benchmarks/gpu_peak.py --fake-ws 8 --ac $ac 2>&1 | tail -20 | tee -a "$LOG"
+done
 [ "$WHAT" = main ] && exit 0
 bench 200 --offload --layers 6 --ac off --steps 4 --warmup 2

@@ -55,9 +55,10 @@ class SimulatedTensorMode(FakeTensorMode):
         out = super().dispatch(func, types, args, kwargs)
         if func in self.lift_fns and type(args[0]) is torch.Tensor:
             self.made_from[out] = args[0]
-        elif func is torch.ops.aten._to_copy.default and args[0] in self.made_from:
+        elif func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and args[0] in self.made_from:
             # The engine moves the row to the mesh's device and joins two rows into one read: the values stay known.
-            self.made_from[out] = self.made_from[args[0]].to(dtype=out.dtype)
+            source: torch.Tensor = self.made_from[args[0]]
+            self.made_from[out] = source.to(dtype=out.dtype)
         elif func is torch.ops.aten.cat.default and all(t in self.made_from for t in args[0]):
             self.made_from[out] = torch.cat([self.made_from[t] for t in args[0]], *args[1:])
         return out

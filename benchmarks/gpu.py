@@ -239,19 +239,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cfg = TINY if args.tiny else LlamaConfig()
     if args.layers:
         cfg = dataclasses.replace(cfg, layers=args.layers)
-    if args.fake_ws > 1:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_ws)
-    else:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    mesh = start_world(device, args.fake_ws, args.replicate)
     try:
-        if args.replicate > 1:
-            shape = (args.replicate, args.fake_ws // args.replicate)
-            mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = init_device_mesh(device.type, (args.fake_ws,))
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         params = sum(p.numel() for p in Llama(cfg).parameters()) if args.tiny else _param_count(cfg)
         print(f"device: {name}; torch {torch.__version__}; {params:,} parameters; {asdict(cfg)}")
@@ -279,6 +268,27 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return results
     finally:
         dist.destroy_process_group()
+
+
+def start_world(device: torch.device, fake_ws: int, replicate: int) -> DeviceMesh:
+    """This process as a world of one rank (NCCL on CUDA, gloo on CPU), or as rank 0 of ``fake_ws`` under torch's fake
+    process group; the mesh is ``replicate x (fake_ws / replicate)`` (HSDP) where ``replicate > 1``. The caller
+    destroys the process group."""
+    if fake_ws > 1:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_ws)
+    else:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        if replicate > 1:
+            shape = (replicate, fake_ws // replicate)
+            return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device.type, (fake_ws,))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
 
 
 def _param_count(cfg: LlamaConfig) -> int:

@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu import IMPLS, TINY, LlamaConfig, batch, build, one_step
+from benchmarks.gpu import IMPLS, TINY, LlamaConfig, batch, build, one_step, start_world
 
 
 def owner(frames: list[dict[str, Any]]) -> str:
@@ -56,7 +55,7 @@ def peak_owners(trace: list[dict[str, Any]]) -> tuple[int, Counter[str]]:
             total += size
             if total > best:
                 best, best_at = total, i
-        elif action in ("free_requested",) and addr in alive:
+        elif action == "free_requested" and addr in alive:
             total -= alive.pop(addr)
     held: dict[int, list[dict[str, Any]]] = {}
     for event in trace[: best_at + 1]:
@@ -85,15 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg: LlamaConfig = TINY if args.tiny else LlamaConfig()
     if args.layers:
         cfg = dataclasses.replace(cfg, layers=args.layers)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_ws)
+    mesh = start_world(device, args.fake_ws, args.replicate)
     try:
-        if args.replicate > 1:
-            shape = (args.replicate, args.fake_ws // args.replicate)
-            mesh = init_device_mesh("cuda", shape, mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = init_device_mesh("cuda", (args.fake_ws,))
         print(f"{torch.cuda.get_device_name(device)}; mesh {tuple(mesh.shape)} (fake); AC {args.ac}; {cfg}")
         for name in IMPLS:
             gc.collect()

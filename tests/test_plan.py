@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import DataDependentOutputException
 
 import fsdp_compose.plan as fp
 from fsdp_compose.plan.__main__ import main as plan_cli
@@ -139,6 +140,20 @@ gpt_shapes = st.fixed_dictionaries(
         "mlp_ratio": st.sampled_from([1, 2, 4]),
     }
 )
+
+
+def test_simulated_rows_keep_their_values_when_moved_or_joined() -> None:
+    """The engine reads rows of Python numbers back on the host: built with ``torch.tensor``, moved to the mesh's
+    device (``_to_copy``) and joined into one read (``cat``). Under the planner's fake tensors each step keeps the
+    values, so ``tolist()`` gives the row this rank made; any other fake tensor still has no data."""
+    with fake_tensors():
+        first = torch.tensor([3, -1, 7], dtype=torch.int64)
+        moved = first.to(torch.int32)
+        joined = torch.cat((first, torch.tensor([5], dtype=torch.int64)))
+        assert moved.tolist() == [3, -1, 7]
+        assert joined.tolist() == [3, -1, 7, 5]
+        with pytest.raises(DataDependentOutputException):
+            torch.cat((first, torch.empty(2, dtype=torch.int64))).tolist()
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -223,6 +223,30 @@ def test_a_rank_without_gradients_does_not_hang(run_dist) -> None:
         assert total == pytest.approx(expected, rel=TOL)
 
 
+# ------------------------------------------------------------------------------- nan on one rank, Partial refused
+def _nan_on_one_rank_and_partial(rank: int, ws: int) -> tuple[list[float], str]:
+    mesh = mesh_1d(ws)
+    param = nn.Parameter(distribute_tensor(torch.zeros(2 * ws, 3), mesh, [Shard(0)]))
+    totals = []
+    for nan_rank in range(ws):
+        for norm_type in NORMS:
+            # one rank holds a nan, the others a huge value: an all-reduce MAX that dropped the nan would give 1e30
+            local = torch.full((2, 3), math.nan if rank == nan_rank else 1e30)
+            param.grad = DTensor.from_local(local, mesh, [Shard(0)])
+            totals.append(clip_grad_norm_([param], MAX_NORM, norm_type).item())
+    partial = nn.Parameter(distribute_tensor(torch.zeros(3), mesh, [Replicate()]))
+    partial.grad = DTensor.from_local(torch.ones(3), mesh, [Partial()])
+    with pytest.raises(ValueError, match="Partial") as info:  # local, before any collective: no rank hangs
+        clip_grad_norm_([param, partial], MAX_NORM)
+    return totals, str(info.value)
+
+
+def test_nan_on_one_rank_reaches_every_rank_and_partial_is_refused(run_dist) -> None:
+    for totals, message in run_dist(2, _nan_on_one_rank_and_partial):
+        assert all(math.isnan(t) for t in totals), totals
+        assert "redistribute it first" in message
+
+
 # ------------------------------------------------------------------------------------------- plain parameters
 class Tower(nn.Module):
     """A sharded part, a 0-dim parameter (replicated DTensor), an unused one, and an ignored (plain) ``side``."""
@@ -284,7 +308,7 @@ def _plain_grads(seed: int) -> list[nn.Parameter]:
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
-@pytest.mark.parametrize("foreach", [None, False])
+@pytest.mark.parametrize("foreach", [None, False, True])
 def test_plain_gradients_match_torch(norm_type: float, foreach: bool | None) -> None:
     ours, theirs = _plain_grads(0), _plain_grads(0)
     total = clip_grad_norm_(ours, 0.5, norm_type, foreach=foreach)
@@ -308,7 +332,8 @@ def test_empty_and_gradient_less_parameters() -> None:
     assert clip_grad_norm_([nn.Parameter(torch.ones(2))], 1.0).item() == 0.0
 
 
-def test_bf16_gradients_are_normed_in_fp32() -> None:
+def test_bf16_gradients_give_an_fp32_total() -> None:
+    # accumulated in fp32: a bf16 running sum of 4096 squares would stall far below 64 * 0.1
     param = nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16))
     param.grad = torch.full((4096,), 0.1, dtype=torch.bfloat16)
     total = clip_grad_norm_([param], 1.0)

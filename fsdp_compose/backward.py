@@ -316,11 +316,7 @@ class BackwardWalk:
             if self.gather_cursor <= oldest.record.wait_after:
                 return
             self._run("all_reduce", oldest, oldest.grads, oldest.grads.advance)
-            still = []
-            for state in self.reducing:
-                if state.grads.state is GradState.REDUCE_SCATTERING:
-                    still.append(state)
-            self.reducing = still
+            self.reducing = [s for s in self.reducing if s.grads.state is GradState.REDUCE_SCATTERING]
 
     def issue_rest(self) -> None:
         """Issue the rest of this backward's collectives in the agreed order (``wait_rest`` completes them): every

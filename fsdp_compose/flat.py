@@ -383,11 +383,13 @@ class FlatShard:
         self._classify()
 
     # ------------------------------------------------------------------ keeping the views intact
-    def views_intact(self) -> bool:
-        """Cheap per-step check (identity only) that every parameter is still ours and still a view into ``flat``."""
+    def views_intact(self, *, gathered: bool = False) -> bool:
+        """Cheap per-step check (identity only) that every parameter is still ours: its sharded DTensor, still a view
+        into ``flat``, or (``gathered``) its full parameter."""
         for mp in self.params:
-            module, name = mp.owners[0]
-            registered: object = module._parameters.get(name)
+            registered = mp.registered()
+            if gathered and mp.full is not None and registered is mp.full:
+                continue
             if registered is not mp.sharded or mp.sharded._local_tensor is not mp.local:
                 return False
         return True

@@ -151,8 +151,7 @@ class FullParams:
             full = mp.full
             if full is None:
                 raise internal_error(f"parameter {mp.fqn}", "mp.full is missing")
-            for owner, attribute in mp.owners:  # ManagedParam.register, on the hot path
-                owner._parameters[attribute] = full  # type: ignore[assignment]
+            mp.register(full)
 
     def _buffer(self, dtype: torch.dtype, group: int = 0) -> FullBuffer:
         """A dtype group's full parameters with storage allocated: built on first use and when the layout, the
@@ -214,8 +213,7 @@ class FullParams:
             held = mp.full
             if held is not None and owner._parameters.get(attribute) is held and held.requires_grad != mp.trainable:
                 mp.sharded.requires_grad_(held.requires_grad)
-            for owner, attribute in mp.owners:  # ManagedParam.register, on the hot path
-                owner._parameters[attribute] = mp.sharded  # type: ignore[assignment]
+            mp.register(mp.sharded)
             full_data = mp.full_data
             if (
                 mp.slot is None

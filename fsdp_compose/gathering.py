@@ -155,12 +155,11 @@ class UnitGather:
                     if gathered is None:
                         raise internal_error(f"unit {self.owner_name}", "gathered is missing")
                     shard = gathered[self.rank * numel : (self.rank + 1) * numel]
-                    shard.copy_(self.devices.to_compute(flat, flat.dtype) if self.devices.offloaded else flat)
+                    shard.copy_(self.devices.to_compute(flat, flat.dtype))
                     work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
                     pending = _PendingGather(work, gathered, shard, encoded=False)
                 else:
-                    # offloaded: the devices' copy to the compute device; else the flat buffer itself (or its cast)
-                    shard = self.devices.to_compute(flat, dtype) if self.devices.offloaded else flat.to(dtype)
+                    shard = self.devices.to_compute(flat, dtype)
                     if transform is not None and gathers:
                         shard = transform.encode(shard)
                         gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=self.device)

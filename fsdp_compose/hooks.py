@@ -57,7 +57,6 @@ __all__ = [
     "check_backward_reads_none_of",
     "compiled_autograd_error",
     "lazy_init",
-    "map_tensors",
     "post_forward",
     "pre_forward",
     "register_hooks",
@@ -89,7 +88,6 @@ def _reshard(state: ShardState, *unused: Any) -> None:
 
 
 # ---------------------------------------------------------------------- the forward
-# ------------------------------------------------------------------ forward
 @_outside_compile
 def pre_forward(
     state: ShardState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -188,12 +186,9 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
         needing = tensors_in(output, requiring_grad=True) if grad_enabled else []
         if needing:
             # One node per output (why: ForwardCall): an output the loss ignores leaves the unit out of the graph.
-            replacement: dict[int, torch.Tensor] = {}
-            for tensor in needing:
-                hooked = _PreBackward.apply(state, tensor)
-                entry.pre.append(weakref.ref(hooked.grad_fn))
-                replacement[id(tensor)] = hooked
-            output = map_tensors(functools.partial(_replaced, replacement), output)
+            replacement = {id(tensor): _PreBackward.apply(state, tensor) for tensor in needing}
+            entry.pre += [weakref.ref(hooked.grad_fn) for hooked in replacement.values()]
+            output = map_tensors(lambda t: replacement.get(id(t), t), output)
             record.entries.append(entry)
             record.opening_needs_backward = True
         elif entry.inputs is not None and not (grad_enabled and tensors_in(output)):
@@ -287,10 +282,7 @@ class _PostBackward(torch.autograd.Function):
     def forward(ctx: Any, state: ShardState, entry: ForwardCall, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
         ctx.entry = entry
-        detached = []
-        for tensor in inputs:
-            detached.append(tensor.detach())
-        return tuple(detached)
+        return tuple(tensor.detach() for tensor in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -313,17 +305,14 @@ def _wrap_inputs(
         # callback finishes this call.
         return args, kwargs
     if per_input:  # one node per input (why: ForwardCall)
-        wrapped = []
-        for tensor in needing:
-            node_output = _PostBackward.apply(state, entry, tensor)[0]
-            entry.post.append(weakref.ref(node_output.grad_fn))
-            wrapped.append(node_output)
+        wrapped = [_PostBackward.apply(state, entry, tensor)[0] for tensor in needing]
+        entry.post = [weakref.ref(node_output.grad_fn) for node_output in wrapped]
     else:
         wrapped = list(_PostBackward.apply(state, entry, *needing))
         entry.post = [weakref.ref(wrapped[0].grad_fn)]
     entry.posts_left = len(entry.post)  # until a backward asks which of them it runs
     replacement = dict(zip(map(id, needing), wrapped, strict=True))
-    new_args, new_kwargs = map_tensors(functools.partial(_replaced, replacement), (args, kwargs))
+    new_args, new_kwargs = map_tensors(lambda t: replacement.get(id(t), t), (args, kwargs))
     return new_args, new_kwargs
 
 
@@ -471,7 +460,12 @@ def tensors_in(value: Any, *, requiring_grad: bool = False) -> list[torch.Tensor
     """Every tensor in a module's inputs or outputs, once each, in order (``requiring_grad``: those that require
     grad), whatever holds them: ``torch.utils._pytree`` knows tuples, lists, dicts and namedtuples; module outputs are
     also dataclasses (torch's own FSDP tests return them, as do many model libraries), and a unit must see every
-    tensor of its outputs to hook its backward."""
+    tensor of its outputs to hook its backward.
+
+    Not torch's ``_apply_to_tensors`` (FSDP2's walk): its recursive closure is a reference cycle that keeps ``fn``,
+    and so whatever ``fn`` saw, alive until the cyclic garbage collector runs; a unit tells a graph nobody will run
+    from a live one by weak references (``ForwardCall.alive``), so its walks must not keep tensors alive (measured:
+    a reentrant checkpoint over a block some ranks skip hangs with it)."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
     stack = [value]
@@ -492,13 +486,9 @@ def tensors_in(value: Any, *, requiring_grad: bool = False) -> list[torch.Tensor
     return found
 
 
-def _replaced(replacement: dict[int, torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s hooked stand-in (keyed by ``id``), or ``tensor`` itself."""
-    return replacement.get(id(tensor), tensor)
-
-
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
-    """``value`` with every tensor ``t`` in it replaced by ``fn(t)`` (containers rebuilt only where needed)."""
+    """``value`` with every tensor ``t`` in it replaced by ``fn(t)`` (containers rebuilt only where needed; not
+    torch's ``_apply_to_tensors``, for the reason ``tensors_in`` gives)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

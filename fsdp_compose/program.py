@@ -481,10 +481,7 @@ class PendingAgreement:
         world = dist.get_world_size()
         masks = len(self.reached) + len(self.expected)
         n = masks + len(self.held)
-        quitting = []
-        for rank in range(world):
-            if result[n + rank]:
-                quitting.append(rank)
+        quitting = [rank for rank in range(world) if result[n + rank]]
         if self.checks and not quitting and result[n + world] != -result[n + world + 1]:
             raise RuntimeError(
                 f"fsdp_compose collective check: the ranks' collective schedules under {self.owner} differ at the "
@@ -549,26 +546,23 @@ def issue_agreement(
     where it is the union (None: read the agreement now, since the answer changes what this rank issues)."""
     # Per parameter: will this rank have a gradient for it (its unit's reduce-scatter needs no flags when some rank
     # will, for every trainable parameter of the unit)
-    checks = False
+    checks = any(state.collective_checks for state in states)
     expected = []
-    every_gradient = True
     # Does user code act on a gradient as soon as it is delivered (an optimizer step in backward, a
     # post-accumulate-grad hook)? Then a delivery cannot wait for the final callback: the agreement is read first.
-    acts_on_delivery = False
+    acts_on_delivery = any(state.grads.delivery.on_finished is not None for state in states)
     # Which parameters train, as a number every rank compares in the agreement (a polynomial over the flags): ranks
     # that froze different parameters of equal size would otherwise reduce-scatter them into each other, silently.
     trained = 0
+    trainable = []
     for state in states:
-        checks = checks or state.collective_checks
-        grads = state.grads
-        acts_on_delivery = acts_on_delivery or grads.delivery.on_finished is not None
         for mp in state.params.shards.params:
             trained = (trained * 3 + 1 + mp.trainable) % _SIGNATURE_MODULUS
-            got = mp.trainable and grads.input.expects_gradient(mp)
-            expected.append(got)
-            every_gradient = every_gradient and (got or not mp.trainable)
+            expected.append(mp.trainable and state.grads.input.expects_gradient(mp))
+            trainable.append(mp.trainable)
             if mp.trainable and getattr(mp.sharded, "_post_accumulate_grad_hooks", None):
                 acts_on_delivery = True
+    every_gradient = all(got or not train for got, train in zip(expected, trainable, strict=True))
     held = held_layouts(states)
     pending = start_agreement(
         schedule,
@@ -581,10 +575,9 @@ def issue_agreement(
         trained=trained,
     )
     # Inside an accumulation window a rank holding nothing for a unit takes the layout other ranks hold it in.
-    layouts_known = True
-    if gradients_held:
-        for layout, state in zip(held, states, strict=True):
-            layouts_known = layouts_known and bool(layout or not state.grads.trainable)
+    layouts_known = not gradients_held or all(
+        layout or not state.grads.trainable for layout, state in zip(held, states, strict=True)
+    )
     if not checks and all(reached) and every_gradient and layouts_known and not acts_on_delivery:
         return pending, Agreement(reached, expected, [], held)
     return pending, None
@@ -592,22 +585,16 @@ def issue_agreement(
 
 def held_layouts(states: list[ShardState]) -> list[int]:
     """Per unit, the layout this rank holds partial gradients in (``Agreement.held_layout``)."""
-    found = []
-    for state in states:
-        held = state.grads.held_layout()
-        found.append(0 if held is None else 2 if held else 1)
-    return found
+    layouts = [state.grads.held_layout() for state in states]
+    return [0 if held is None else 2 if held else 1 for held in layouts]
 
 
 def decide_flag_columns(states: list[ShardState], agreed: Agreement) -> None:
     """A unit whose every trainable parameter gets a gradient on some rank reduces without "had a gradient" flags;
     inside an accumulation window every rank takes the layout some rank already holds (it was decided at the
     window's first backward, when every rank decided alike, but a rank that got no gradient then holds nothing)."""
-    index = 0
-    for unit_index, state in enumerate(states):
-        needed = False
-        for mp in state.params.shards.params:
-            needed = needed or (mp.trainable and not agreed.gradient_somewhere[index])
-            index += 1
-        layout = agreed.held_layout[unit_index]
+    gradient_somewhere = iter(agreed.gradient_somewhere)
+    for state, layout in zip(states, agreed.held_layout, strict=True):
+        got = [next(gradient_somewhere) for _ in state.params.shards.params]
+        needed = any(mp.trainable and not some for mp, some in zip(state.params.shards.params, got, strict=True))
         state.grads.input.flags_needed = needed if layout == 0 else layout == 2

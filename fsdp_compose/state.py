@@ -333,21 +333,12 @@ class ShardState:
         ``requires_grad``, or attach FSDP2's all-gather hooks? One identity pass over the parameters at every step
         start; what a change means is ``adopt_changes`` and ``refresh_trainable``."""
         params = self.params
-        if params.shards.defer_hookless:
-            return True
         gathered = params.gather.state is not UnitState.SHARDED
-        for mp in params.shards.params:
-            module, name = mp.owners[0]
-            held: object = module._parameters.get(name)
-            full = mp.full
-            if gathered and full is not None and held is full:
-                if full.requires_grad != mp.trainable:
-                    return True
-            elif held is not mp.sharded or mp.sharded._local_tensor is not mp.local:
-                return True
-            elif mp.sharded.requires_grad != mp.trainable:
-                return True
-        return False
+        return (
+            params.shards.defer_hookless
+            or not params.shards.views_intact(gathered=gathered)
+            or params.trainability_changed()
+        )
 
     def adopt_changes(self) -> None:
         """Pick up parameters replaced or cast since the last gather (``UnitParams.adopt_if_changed``); a cast

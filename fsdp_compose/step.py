@@ -117,14 +117,10 @@ class StepContext:
         if self.phase is StepPhase.BACKWARD:
             self.abandon()  # a backward that raised: its final callback never ran
         self.ended_everywhere = False
-        checks = pending = False
         for state in self.states:
-            checks = checks or state.collective_checks
-            record = state.record
-            if record.entries:
-                record.entries = [entry for entry in record.entries if entry.alive()]  # graphs nobody runs
-                pending = pending or bool(record.entries)
-        if checks:
+            state.record.entries = [entry for entry in state.record.entries if entry.alive()]  # graphs nobody runs
+        pending = any(state.record.entries for state in self.states)
+        if any(state.collective_checks for state in self.states):
             check_ranks_agree(self.root, self.states)  # before anything of this step communicates
         continuing = self.phase is StepPhase.AWAITING_BACKWARD and pending
         self.forward_raised = False
@@ -162,11 +158,10 @@ class StepContext:
         if self.phase is not StepPhase.FORWARD:
             return
         self.forward_raised = raised
-        pending = False
         for state in self.states:
             if state.record.active == 0:
                 close_unit(state)
-            pending = pending or bool(state.record.entries)
+        pending = any(state.record.entries for state in self.states)
         self.phase = StepPhase.AWAITING_BACKWARD if pending else StepPhase.IDLE
 
     # ------------------------------------------------------------------ backward
@@ -178,15 +173,11 @@ class StepContext:
         if self.backward is not None:
             return
         # The calls of each unit this backward runs here (autograd is asked once per call).
-        running_calls: dict[int, list[ForwardCall]] = {}
-        reached = []
-        for state in self.states:
-            calls = []
-            for entry in (*state.record.entries, *state.record.ran):
-                if entry.runs_in_this_backward(running):
-                    calls.append(entry)
-            running_calls[id(state)] = calls
-            reached.append(bool(calls))
+        running_calls = {
+            id(state): [e for e in (*state.record.entries, *state.record.ran) if e.runs_in_this_backward(running)]
+            for state in self.states
+        }
+        reached = [bool(running_calls[id(state)]) for state in self.states]
         pending, agreed = issue_agreement(
             self.schedule, self.states, self.agreement_group, reached, gradients_held=self.gradients_held
         )
@@ -204,15 +195,10 @@ class StepContext:
             state.grads.delivery.hold = hold
         decide_flag_columns(self.states, agreed)
         for state in self.states:
-            recomputes = 0
-            for entry in running_calls[id(state)]:
-                recomputes += entry.inputs is not None
-            state.record.recomputes_due = recomputes
+            state.record.recomputes_due = sum(entry.inputs is not None for entry in running_calls[id(state)])
         walk = self.backward = _build_walk(self, agreed.participants, running_calls)
         # This backward's program (program.py), from its agreed participants and the state the forward left.
-        flags = {}
-        for state in walk.reduce_order:
-            flags[id(state)] = state.grads.next_layout()
+        flags = {id(state): state.grads.next_layout() for state in walk.reduce_order}
         group = self.agreement_group
         control = None if group is None else (str(group.group_name), group.size())
         walk.program = backward_program(self.schedule, walk.gather_order, live=True, control=control, flags=flags)
@@ -283,22 +269,14 @@ class StepContext:
                 record.kept_unsharded = keep and gather.state is UnitState.UNSHARDED
                 # The calls this backward ran are consumed; calls it did not run wait for a later backward (a
                 # chunked loss runs the head's backward once per chunk, then the body's).
-                waiting = []
-                for entry in record.entries:
-                    if id(entry) in bp.consumed and not entry.outputs_pending():
-                        record.ran.append(entry)
-                    else:
-                        waiting.append(entry)
-                record.entries = waiting
-                if state.params.shards.replaced.refs:  # none alive, the usual case: nothing to arm
-                    state.params.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
+                finished = [e for e in record.entries if id(e) in bp.consumed and not e.outputs_pending()]
+                record.ran += finished
+                record.entries = [e for e in record.entries if e not in finished]
+                state.params.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
             # Calls no backward has run yet (pipelined micro-batches, the body under a chunked loss) keep the step
             # waiting for theirs.
-            held = pending = False
-            for state in self.states:
-                held = held or state.grads.state is GradState.ACCUMULATING
-                pending = pending or bool(state.record.entries)
-            self.gradients_held = held
+            pending = any(state.record.entries for state in self.states)
+            self.gradients_held = any(state.grads.state is GradState.ACCUMULATING for state in self.states)
             self.draining = False
             self.backward = None
             self.phase = StepPhase.AWAITING_BACKWARD if pending else StepPhase.IDLE
@@ -440,20 +418,11 @@ def _build_walk(
 ) -> BackwardWalk:
     """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs. Each unit's
     record gets this backward's facts about it (``UnitStepRecord.forget_backward``)."""
-    takes_part = set()
-    for state, takes in zip(step.states, participants, strict=True):
-        if takes:
-            takes_part.add(id(state))
-    gather_order = []
-    for state in step.schedule.gather_order:
-        if id(state) in takes_part:
-            gather_order.append(state)
-    reduce_order = []
-    for state in step.schedule.reduce_order:
-        if id(state) in takes_part:
-            reduce_order.append(state)
+    takes_part = {id(state) for state, takes in zip(step.states, participants, strict=True) if takes}
+    gather_order = [state for state in step.schedule.gather_order if id(state) in takes_part]
+    reduce_order = [state for state in step.schedule.reduce_order if id(state) in takes_part]
     reducing = reached = False
-    consumed = set()
+    consumed: set[int] = set()
     for state in step.states:
         record = state.record
         record.forget_backward(wait_after=len(gather_order))
@@ -461,10 +430,8 @@ def _build_walk(
         if calls:
             # Post-backward hooks it waits for here. A call whose inputs need no gradient has none (its backward's
             # end is not observable): such a unit finishes in the final callback.
-            observable = True
-            for entry in calls:
-                observable = entry.post_backward_runs() and observable  # each counts its input nodes
-                consumed.add(id(entry))
+            observable = all([entry.post_backward_runs() for entry in calls])  # each counts its input nodes
+            consumed.update(map(id, calls))
             reached = True
             record.reached_here = True
             record.calls_here = len(calls)
@@ -477,12 +444,9 @@ def _build_walk(
         if state.reduces_now:
             record.reduces = (state.requires_all_reduce, state.requires_gradient_sync)
             reducing = True
-        low = high = -1
-        for entry in (*record.entries, *record.ran):
-            low = entry.seq if low < 0 else min(low, entry.seq)
-            high = max(high, entry.seq)
-        first.append(low)
-        last.append(high)
+        seqs = [entry.seq for entry in (*record.entries, *record.ran)]
+        first.append(min(seqs, default=-1))
+        last.append(max(seqs, default=-1))
     # Per participant ``v``: the last gather position among ``v`` and every participant with a forward call after
     # ``v``'s first one (its backward may come before ``v``'s gradients are complete, on any rank).
     for index, state in enumerate(gather_order):

@@ -258,7 +258,7 @@ def _mixed(rank: int, ws: int) -> dict[str, Any]:
         inputs, targets = synthetic_batch(cfg, 4, 0)
         loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws)).backward()
     # not offloaded: no copy of the flat buffer, and (where there is an all-gather) its input is the buffer itself
-    root_copied = any(flat is root.shards.flat for _, flat, _ in record["to_compute"])
+    root_copied = any(flat is root.shards.flat and out is not flat for _, flat, out in record["to_compute"])
     flat_ptr = root.shards.flat.data_ptr()
     root_gathers_its_flat = not root_copied and (ws == 1 or any(t.data_ptr() == flat_ptr for t in record["all_gather"]))
     blocks_copied = all(

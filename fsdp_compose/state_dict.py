@@ -9,6 +9,8 @@ Both communicate on the *module's mesh*: the mesh of its sharded parameters that
 others (the data-parallel mesh; for FSDP + TP the combined (dp, tp) mesh). Its first rank (coordinate 0 on every
 dim) is "rank 0" of ``rank0_only`` and ``broadcast_from_rank0``: global rank 0 for a model sharded over the whole
 world, the stage's first rank for a pipeline stage on a sub-mesh. The default process group is never used.
+Gathers go through torch's ``get_model_state_dict`` where it has these semantics; loads are written here (the
+comments in each function say why).
 
 ``load_full_state_dict`` is atomic: every rank validates what it can see (its module everywhere, the checkpoint on
 the ranks that read it), one small all-reduce over the mesh agrees on the verdict, and only then does anything get
@@ -20,10 +22,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -57,11 +61,21 @@ def full_state_dict(module: nn.Module, *, cpu_offload: bool = True, rank0_only: 
                 "materialize the module first: module.to_empty(device=...) and initialize or load it"
             )
     keep = not rank0_only or mesh.is_first_rank()
+    # torch's get_model_state_dict (DSD) gathers each DTensor on its own mesh as this function does, with two
+    # differences: with cpu_offload it keeps the copies on global rank 0 only (none on a pipeline stage's first rank,
+    # never on every rank), and it renames the keys of wrapped submodules (torch.compile's "_orig_mod.", DDP's
+    # "module."), which load_full_state_dict would not take back. Those calls gather here, one entry at a time.
+    dsd_ranks = not cpu_offload or (rank0_only and mesh.first_rank == 0)
+    if dsd_ranks and list(get_model_state_dict(module)) == list(entries):  # DSD's keys (sharded: no collective)
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+        return cast(dict[str, torch.Tensor], full) if keep else {}  # (without cpu_offload: copies on every rank)
     result: dict[str, torch.Tensor] = {}
     for key, value in entries.items():
-        full = _on_mesh_device(value).full_tensor() if isinstance(value, DTensor) else value
+        # (an offloaded shard is in host memory: its all-gather runs on the mesh's device)
+        on_mesh = value.to(collective_device(value))
+        gathered = cast(DTensor, on_mesh).full_tensor() if isinstance(value, DTensor) else value
         if keep:
-            result[key] = (full.cpu() if cpu_offload else full).detach()
+            result[key] = (gathered.cpu() if cpu_offload else gathered).detach()
     return result
 
 
@@ -92,7 +106,11 @@ def load_full_state_dict(
         problem = _check_state_dict(state_dict, targets, param_keys)
     mesh.agree(problem, _fingerprint(targets, broadcast_from_rank0), f"fc.load_full_state_dict into {owner}")
 
-    # Everything is validated on every rank: from here on the module changes.
+    # Everything is validated on every rank: from here on the module changes. Not through torch's set_model_state_dict:
+    # its broadcast_from_rank0 broadcasts on the default group from global rank 0 (a pipeline stage's mesh is
+    # neither); without it, distribute_tensor scatters each entry from the mesh's first rank although every rank holds
+    # it; it takes one device for all entries (CPU-offloaded shards beside device buffers are refused) and it writes
+    # the module's tensors into the caller's dict.
     with torch.no_grad():
         for key, target in targets.items():
             if broadcast_from_rank0:
@@ -355,22 +373,6 @@ def _fingerprint(targets: Mapping[str, object], broadcast_from_rank0: bool) -> i
 
 
 # ---------------------------------------------------------------------- pieces
-def _on_mesh_device(value: DTensor) -> DTensor:
-    """``value`` with its local tensor on the mesh's device, where its collectives run (a no-op unless offloaded)."""
-    local = value.to_local()
-    device = collective_device(value)
-    if local.device.type == device.type:
-        return value
-    return DTensor.from_local(
-        local.to(device),
-        value.device_mesh,
-        value.placements,
-        run_check=False,
-        shape=value.shape,
-        stride=value.stride(),
-    )
-
-
 def _local_piece(full: torch.Tensor, target: DTensor) -> torch.Tensor:
     """This rank's piece of ``full`` for ``target``'s placements (``torch.chunk`` semantics on every cut).
 

@@ -5,6 +5,7 @@ process (pytorch/pytorch#113237)."""
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -249,6 +250,13 @@ def _pipeline_stages(rank: int, ws: int) -> float:
         assert full.keys() == expected.keys() and all(torch.equal(full[k], expected[k]) for k in full)
     else:
         assert full == {}
+    # every flag combination: kept on the stage's first rank only, or on every rank of the stage
+    for cpu_offload, rank0_only in itertools.product((True, False), repeat=2):
+        got = fc.full_state_dict(model, cpu_offload=cpu_offload, rank0_only=rank0_only)
+        if rank0_only and rank != first:
+            assert got == {}, (cpu_offload, rank0_only)
+        else:
+            assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
     fresh = gpt_with_buffers(seed=10 + stage)
     shard_gpt(fresh, dp_mesh)
     fc.load_full_state_dict(fresh, full, broadcast_from_rank0=True)
@@ -260,6 +268,35 @@ def _pipeline_stages(rank: int, ws: int) -> float:
 @pytest.mark.parametrize("ws", [2, 4])
 def test_full_state_dicts_use_the_module_mesh_first_rank(run_dist, ws: int) -> None:
     assert max(run_dist(ws, _pipeline_stages)) <= 1e-5
+
+
+def _wrapped_block(rank: int, ws: int) -> float:
+    """A block wrapped by torch.compile keeps its "_orig_mod." keys, the module's own, with every flag (torch's
+    get_model_state_dict would drop them), and the full state dict loads back into a model wrapped the same way."""
+
+    def build(seed: int) -> GPT:
+        model = shard_gpt(gpt_with_buffers(seed=seed), mesh_1d(ws))
+        model.blocks[0] = torch.compile(model.blocks[0])
+        return model
+
+    model, reference = build(0), gpt_with_buffers(seed=0)
+    expected = {k.replace("blocks.0.", "blocks.0._orig_mod."): v for k, v in reference.state_dict().items()}
+    assert list(model.state_dict()) == list(expected)
+    for cpu_offload, rank0_only in itertools.product((True, False), repeat=2):
+        full = fc.full_state_dict(model, cpu_offload=cpu_offload, rank0_only=rank0_only)
+        if rank0_only and rank != 0:
+            assert full == {}
+        else:
+            assert list(full) == list(expected) and all(torch.equal(full[k], expected[k]) for k in full)
+    fresh = build(1)
+    fc.load_full_state_dict(fresh, full if rank == 0 else {}, broadcast_from_rank0=True)
+    assert _buffers_equal(fresh, model)
+    return max_param_diff(fresh, model)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_full_state_dicts_keep_the_keys_of_wrapped_submodules(run_dist, ws: int) -> None:
+    assert max(run_dist(ws, _wrapped_block)) == 0.0
 
 
 def _meta_module(rank: int, ws: int) -> str:

@@ -126,8 +126,9 @@ def set_collective_checks(module: nn.Module, enabled: bool = True) -> None:
     """Check at every step, before any collective, that all ranks are about to run the same collectives.
 
     Ranks that freeze different parameters, or disagree on no-sync, reshard settings or the set of sharded units,
-    otherwise hang or silently mix gradients. The check all-gathers one 64-bit fingerprint per step over the root's
-    data-parallel groups and raises the same ``RuntimeError`` on every rank, naming the unit and what differs.
+    otherwise hang or silently mix gradients. The check all-reduces the step schedule's 64-bit fingerprint once per
+    step over the root's data-parallel ranks and raises the same ``RuntimeError`` on every rank, naming the unit and
+    what differs.
     Per instance; set it on the root (or any module under it, with every rank doing the same).
     """
     _check_bool(enabled, "enabled", "set_collective_checks")

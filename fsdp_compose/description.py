@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .api import get_state
 from .policies import MixedPrecisionPolicy
 from .program import StepSchedule, unit_names
+from .state import reshards_after_forward, states_under
 
 if TYPE_CHECKING:
     from .state import ShardState
@@ -82,7 +83,7 @@ class UnitDescription:
 def describe_units(module: nn.Module, *, all_ranks: bool = False) -> list[UnitDescription]:
     """Every sharded unit under ``module`` (pre-order), as data. ``all_ranks``: see :func:`describe`."""
     paths = _module_paths(module)
-    states = _states_under(module)
+    states = states_under(module)
     units = [_describe_unit(state, paths, outermost=i == 0) for i, state in enumerate(states)]
     if all_ranks:
         units = _gather_bytes(units, states)
@@ -119,18 +120,6 @@ def print_description(
 
 
 # ---------------------------------------------------------------------- collecting
-def _states_under(module: nn.Module) -> list[ShardState]:
-    """Each state under ``module`` once, in pre-order (a list-form state at its first module)."""
-    seen: set[int] = set()
-    states = []
-    for sub in module.modules():
-        state = get_state(sub)
-        if state is not None and id(state) not in seen:
-            seen.add(id(state))
-            states.append(state)
-    return states
-
-
 def _module_paths(module: nn.Module) -> dict[int, str]:
     return {id(sub): path for path, sub in module.named_modules(remove_duplicate=True)}
 
@@ -204,14 +193,12 @@ def _describe_unit(state: ShardState, paths: dict[int, str], *, outermost: bool)
 
 
 def _reshard_after_forward(state: ShardState, *, outermost: bool) -> bool | int:
-    """The effective setting. Left at None, the root keeps its parameters and the others reshard. Before the first
-    forward no unit knows it is the root yet: the outermost unit under the described module is taken for it."""
-    setting = getattr(state, "reshard_after_forward_setting", None)
-    if setting is not None:
-        return setting if isinstance(setting, bool) else int(setting)
-    if getattr(state, "root", None) is None and outermost:
-        return False
-    return state.reshard_after_forward
+    """The setting as it acts (``state.reshards_after_forward``); before the first forward no unit knows it is the
+    root yet: the outermost unit under the described module is taken for it. ``k``: kept 1/k per rank."""
+    setting = state.reshard_after_forward_setting
+    if setting is not None and not isinstance(setting, bool):
+        return int(setting)
+    return reshards_after_forward(setting, is_root=outermost if state.root is None else state.root is state)
 
 
 def _gather_bytes(units: list[UnitDescription], states: list[ShardState]) -> list[UnitDescription]:
@@ -236,7 +223,7 @@ def _unmanaged(module: nn.Module, units: list[UnitDescription]) -> list[str]:
     # While a unit is gathered its modules hold the full parameters, under the names of the sharded ones; a tied
     # parameter is listed once, under its first name, by both.
     managed = {p.name for unit in units for p in unit.params}
-    sharded = {id(mp.sharded) for state in _states_under(module) for mp in state.params.shards.params}
+    sharded = {id(mp.sharded) for state in states_under(module) for mp in state.params.shards.params}
     return [name for name, param in module.named_parameters() if name not in managed and id(param) not in sharded]
 
 
@@ -421,7 +408,7 @@ def step_schedule(module: nn.Module, names: dict[int, str] | None = None) -> Ste
             f"fc.describe_schedule: {type(module).__name__} is a unit under the root {root.root.params.owner_name}; "
             "describe the root"
         )
-    states = _states_under(module)
+    states = states_under(module)
     return StepSchedule(root, states, names or unit_names(module, states))
 
 

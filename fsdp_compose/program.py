@@ -171,10 +171,38 @@ class StepSchedule:
         control = ("data-parallel", size) if size > 1 else None
         return backward_program(self, self.states, live=False, control=control)
 
+    def settings(self) -> list[tuple[str, dict[str, object]]]:
+        """Per unit, the settings that decide its collectives in the next step (what the collective checks compare
+        and name when ranks differ)."""
+        described = []
+        for u in self.units:
+            state, params = u.state, u.state.params
+            mps = params.shards.params
+            described.append(
+                (
+                    f"{u.name} ({params.owner_name})",
+                    {
+                        "parameters": [mp.fqn for mp in mps],
+                        "trainable": [params.current_requires_grad(mp) for mp in mps],
+                        "kept whole": [mp.slot is None for mp in mps],
+                        "requires_gradient_sync": state.requires_gradient_sync,
+                        "gradient_accumulation": state.gradient_accumulation,
+                        "requires_all_reduce": state.requires_all_reduce,
+                        "reshard_after_forward": state.reshard_after_forward_setting,
+                        "reshard_after_backward": state.reshard_after_backward,
+                        "compute dtype": str(params.param_dtype),
+                        "collectives": u.collectives(),
+                    },
+                )
+            )
+        return described
+
     def fingerprint(self) -> int:
-        """64 bits of the program: ranks with different fingerprints would issue different collectives."""
+        """64 bits of the settings and the program: ranks with different fingerprints would issue different
+        collectives. The one rank check: exchanged at the root's forward (``check_ranks_agree``) and in each
+        backward's agreement."""
         ops = [*forward_program(self).operations(), *self.full_backward().operations()]
-        text = repr([(u.name, u.collectives()) for u in self.units] + [str(op) for op in ops])
+        text = repr([self.settings(), [str(op) for op in ops]])
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
 

@@ -9,8 +9,8 @@ Both communicate on the *module's mesh*: the mesh of its sharded parameters that
 others (the data-parallel mesh; for FSDP + TP the combined (dp, tp) mesh). Its first rank (coordinate 0 on every
 dim) is "rank 0" of ``rank0_only`` and ``broadcast_from_rank0``: global rank 0 for a model sharded over the whole
 world, the stage's first rank for a pipeline stage on a sub-mesh. The default process group is never used.
-Gathers go through torch's ``get_model_state_dict`` where it has these semantics; loads are written here (the
-comments in each function say why).
+Both are written here, not through torch's distributed state-dict API, for those semantics (the comments in each
+function say where it differs).
 
 ``load_full_state_dict`` is atomic: every rank validates what it can see (its module everywhere, the checkpoint on
 the ranks that read it), one small all-reduce over the mesh agrees on the verdict, and only then does anything get
@@ -22,12 +22,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -61,21 +59,17 @@ def full_state_dict(module: nn.Module, *, cpu_offload: bool = True, rank0_only: 
                 "materialize the module first: module.to_empty(device=...) and initialize or load it"
             )
     keep = not rank0_only or mesh.is_first_rank()
-    # torch's get_model_state_dict (DSD) gathers each DTensor on its own mesh as this function does, with two
-    # differences: with cpu_offload it keeps the copies on global rank 0 only (none on a pipeline stage's first rank,
-    # never on every rank), and it renames the keys of wrapped submodules (torch.compile's "_orig_mod.", DDP's
-    # "module."), which load_full_state_dict would not take back. Those calls gather here, one entry at a time.
-    dsd_ranks = not cpu_offload or (rank0_only and mesh.first_rank == 0)
-    if dsd_ranks and list(get_model_state_dict(module)) == list(entries):  # DSD's keys (sharded: no collective)
-        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
-        return cast(dict[str, torch.Tensor], full) if keep else {}  # (without cpu_offload: copies on every rank)
+    # Not torch's get_model_state_dict (DSD), though the gather is the same (each DTensor's full_tensor() on its own
+    # mesh): with cpu_offload it keeps the copies on global rank 0 only (none on a pipeline stage's first rank, never
+    # on every rank), without it every rank holds the whole model on the device at once, and it renames the keys of
+    # wrapped submodules (torch.compile's "_orig_mod.", DDP's "module."), which load_full_state_dict would not take
+    # back. Here one entry at a time, on the module's mesh.
     result: dict[str, torch.Tensor] = {}
     for key, value in entries.items():
-        # (an offloaded shard is in host memory: its all-gather runs on the mesh's device)
-        on_mesh = value.to(collective_device(value))
-        gathered = cast(DTensor, on_mesh).full_tensor() if isinstance(value, DTensor) else value
+        if isinstance(value, DTensor):  # an offloaded shard is in host memory: its all-gather runs on the mesh's device
+            value = cast(DTensor, value.to(collective_device(value))).full_tensor()
         if keep:
-            result[key] = (gathered.cpu() if cpu_offload else gathered).detach()
+            result[key] = (value.cpu() if cpu_offload else value).detach()
     return result
 
 

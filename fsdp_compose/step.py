@@ -121,7 +121,7 @@ class StepContext:
             state.record.entries = [entry for entry in state.record.entries if entry.alive()]  # graphs nobody runs
         pending = any(state.record.entries for state in self.states)
         if any(state.collective_checks for state in self.states):
-            check_ranks_agree(self.root, self.states)  # before anything of this step communicates
+            check_ranks_agree(self.schedule, self.agreement_group)  # before anything of this step communicates
         continuing = self.phase is StepPhase.AWAITING_BACKWARD and pending
         self.forward_raised = False
         for state in self.states:

@@ -361,6 +361,11 @@ def _settings(rank: int, ws: int) -> list[str]:
     m.set_separate_reduce_scatter_group(True)
     m.set_allocate_memory_from_process_group_for_comm(True)
     m.set_symm_mem_for_comm()
+    # FSDP2's parameter names and kinds, as keywords
+    m.set_is_last_backward(is_last_backward=True)
+    m.set_separate_reduce_scatter_group(enable=False, recurse=False)
+    m._set_unshard_async_op(async_op=False)
+    m.set_reshard_after_backward(reshard_after_backward=True, recurse=False)
     m.set_requires_all_reduce(False)
     m.set_reshard_after_forward(False)
     m.set_reshard_after_backward(False)
@@ -382,6 +387,9 @@ def _settings(rank: int, ws: int) -> list[str]:
         lambda: m.set_is_last_backward("yes"),
         lambda: m.set_reduce_scatter_max_input_buffers(0),
         lambda: m.set_symm_mem_for_comm("GLOO"),
+        lambda: m.set_force_sum_reduction_for_comms(),
+        lambda: m.set_separate_reduce_scatter_group(True, recurse="no"),
+        lambda: m._set_unshard_async_op(True, True),
         lambda: fc.share_comm_ctx([nn.Linear(2, 2)]),
     ):
         with pytest.raises((TypeError, ValueError)):

@@ -6,18 +6,21 @@ written for FSDP2 call the methods, so ``bind_fsdp2_methods(model)`` (or ``fully
 puts one callable per FSDP2 method name in each sharded module's instance ``__dict__``: opt-in, per instance,
 nothing bound on a class or globally, and a ``copy.deepcopy`` of the module gets callables bound to the copy.
 
-Each bound method has FSDP2's signature and semantics (docs/integrations.md has the table). Where fsdp_compose has
-no machinery for a setting, the reason is one of:
+``_METHODS`` maps each name to the function the bound method calls with the module first, under FSDP2's signature
+and semantics (docs/integrations.md has the table): the ``fc`` function itself where its parameters are FSDP2's, else
+a function here. A setting fsdp_compose has no machinery for is one of:
 
-- the setting is already what fsdp_compose always does (``set_force_sum_reduction_for_comms(True)``,
-  ``set_separate_reduce_scatter_group(True)``, ``set_is_last_backward(True)``): any value is accepted and the results
-  are those of FSDP2 with that setting;
-- it tunes streams or buffers fsdp_compose does not have (``set_post_optim_event``, ``share_comm_ctx``,
-  ``set_allocate_memory_from_process_group_for_comm``,
-  ``set_symm_mem_for_comm``, ``_set_unshard_async_op``): values are validated and nothing changes in what is computed;
-- its contract does not map onto fsdp_compose's (``set_custom_all_gather``, ``set_custom_reduce_scatter``): it
-  raises ``NotImplementedError`` naming the ``fc.ShardExtensions`` alternative, rather than silently not calling the
-  user's code.
+- accepted and ignored (each function's docstring, which the bound method shows, says why): the setting is already
+  what fsdp_compose always does, or it only decides where FSDP2 allocates communication buffers. The arguments are
+  checked as FSDP2 takes them and nothing changes: the results are those of FSDP2 with that setting;
+- not mapped (``_not_mapped``: ``set_custom_all_gather``, ``set_custom_reduce_scatter``): its contract does not map
+  onto fsdp_compose's; it raises ``NotImplementedError`` naming the ``fc.ShardExtensions`` alternative, rather than
+  silently not calling the user's code.
+
+Streams, for the settings that name them: on an accelerator, each root's step issues its all-gathers from a side
+stream of its own (``StepContext.gather_stream``, from ``collectives.side_stream``), which allocates their buffers
+(an ``fc.ShardExtensions`` all-gather runs on the current stream instead); reduce-scatters and all-reduces are issued
+from the current stream. On CPU there is no side stream: everything runs on the current stream.
 
 ``set_all_reduce_hook`` and ``set_reduce_scatter_unused_params`` act on the unit's gradient delivery (grads.py).
 """
@@ -25,7 +28,7 @@ no machinery for a setting, the reason is one of:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,33 +48,9 @@ def _check_bool(value: object, name: str, method: str) -> None:
 
 
 # ---------------------------------------------------------------------- FSDP2's methods, as functions of the module
-def _reshard(module: nn.Module) -> None:
-    api.reshard(module)
-
-
+# Where FSDP2 names or passes a parameter differently from the fc function (test_fsdp2_compat checks the signatures).
 def _unshard(module: nn.Module, async_op: bool = False) -> api.UnshardHandle | None:
     return api.unshard(module, async_op=async_op)
-
-
-def _reset_iter_state(module: nn.Module) -> None:
-    api.reset_step(module)
-
-
-def _set_is_last_backward(module: nn.Module, is_last_backward: bool) -> None:
-    # fsdp_compose's end-of-backward callback always waits for every reduction and clears its prefetch state: it
-    # behaves as FSDP2 with True; False only lets FSDP2 skip that wait, which cannot change gradients.
-    _check_bool(is_last_backward, "is_last_backward", "set_is_last_backward")
-    api._require_state(module, "set_is_last_backward")
-
-
-def _set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-    # FSDP2's flag also switches the HSDP all-reduce; fc keeps the two independent, so the bound method sets both.
-    api.set_requires_gradient_sync(module, requires_gradient_sync, recurse=recurse)
-    api.set_requires_all_reduce(module, requires_gradient_sync, recurse=recurse)
-
-
-def _set_requires_all_reduce(module: nn.Module, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-    api.set_requires_all_reduce(module, requires_all_reduce, recurse=recurse)
 
 
 def _set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool, recurse: bool = True) -> None:
@@ -82,12 +61,10 @@ def _set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool,
     api.set_reshard_after_backward(module, reshard_after_backward, recurse=recurse)
 
 
-def _set_modules_to_forward_prefetch(module: nn.Module, modules: Iterable[nn.Module]) -> None:
-    api.set_modules_to_forward_prefetch(module, modules)
-
-
-def _set_modules_to_backward_prefetch(module: nn.Module, modules: Iterable[nn.Module]) -> None:
-    api.set_modules_to_backward_prefetch(module, modules)
+def _set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    # FSDP2's flag also switches the HSDP all-reduce; fc keeps the two independent, so the bound method sets both.
+    api.set_requires_gradient_sync(module, requires_gradient_sync, recurse=recurse)
+    api.set_requires_all_reduce(module, requires_gradient_sync, recurse=recurse)
 
 
 def _not_mapped(method: str, alternative: str) -> Callable[..., None]:
@@ -126,14 +103,6 @@ def _set_all_reduce_hook(
     state.grads.delivery.reduced_hook_stream = stream
 
 
-def _set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
-    # FSDP2 then issues its pre-forward/pre-backward all-gathers with async_op=True so their buffers come from the
-    # compute stream's allocator; fsdp_compose already allocates them on the compute stream (collectives.py), so the
-    # setting changes no result. Validated, recursive like FSDP2's.
-    _check_bool(async_op, "async_op", "_set_unshard_async_op")
-    api._states(module, True, "_set_unshard_async_op")
-
-
 def _set_gradient_divide_factor(module: nn.Module, factor: float) -> None:
     # FSDP2's method sets this module's own unit only (not recursive), unlike fc.set_gradient_divide_factor's default.
     api.set_gradient_divide_factor(module, factor, recurse=False)
@@ -146,13 +115,6 @@ def _set_reduce_scatter_divide_factor(module: nn.Module, factor: float) -> None:
         stacklevel=3,
     )
     _set_gradient_divide_factor(module, factor)
-
-
-def _set_force_sum_reduction_for_comms(module: nn.Module, enable: bool) -> None:
-    # fsdp_compose always reduces with SUM and divides locally afterwards: True is its only behaviour, and False
-    # (FSDP2 may then use AVG or PREMUL_SUM) gives the same averages up to rounding.
-    _check_bool(enable, "enable", "set_force_sum_reduction_for_comms")
-    api._require_state(module, "set_force_sum_reduction_for_comms")
 
 
 def _set_reduce_scatter_unused_params(
@@ -170,15 +132,8 @@ def _set_reduce_scatter_max_input_buffers(module: nn.Module, max_input_buffers: 
     if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
         raise ValueError(f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got {max_input_buffers!r}")
     for state in api._states(module, recurse, "set_reduce_scatter_max_input_buffers"):
-        state.max_reduce_inputs = (
-            max_input_buffers  # read on the root: reduce-scatter inputs alive beside the one filled
-        )
-
-
-def _set_separate_reduce_scatter_group(module: nn.Module, enable: bool = True, *, recurse: bool = True) -> None:
-    # fsdp_compose already reduce-scatters on a group of its own (meshes.reduce_scatter_group) wherever it can.
-    _check_bool(enable, "enable", "set_separate_reduce_scatter_group")
-    api._states(module, recurse, "set_separate_reduce_scatter_group")
+        # read on the root: reduce-scatter inputs alive beside the one filled
+        state.max_reduce_inputs = max_input_buffers
 
 
 def _set_unshard_in_backward(module: nn.Module, unshard_in_backward: bool) -> None:
@@ -186,28 +141,59 @@ def _set_unshard_in_backward(module: nn.Module, unshard_in_backward: bool) -> No
     api._require_state(module, "set_unshard_in_backward").unshard_in_backward = unshard_in_backward
 
 
+# ---------------------------------------------------------------------- accepted and ignored (the docstring says why)
+def _set_is_last_backward(module: nn.Module, is_last_backward: bool) -> None:
+    """fsdp_compose's end of backward always waits for every reduction and clears its prefetch state (FSDP2 with
+    True); False only lets FSDP2 skip that wait, which changes no gradient."""
+    _check_bool(is_last_backward, "is_last_backward", "set_is_last_backward")
+    api._require_state(module, "set_is_last_backward")
+
+
+def _set_force_sum_reduction_for_comms(module: nn.Module, enable: bool) -> None:
+    """fsdp_compose always reduces with SUM and divides locally (FSDP2 with True); False (FSDP2 may then use AVG or
+    PREMUL_SUM) gives the same averages up to rounding."""
+    _check_bool(enable, "enable", "set_force_sum_reduction_for_comms")
+    api._require_state(module, "set_force_sum_reduction_for_comms")
+
+
+def _set_separate_reduce_scatter_group(module: nn.Module, enable: bool = True, *, recurse: bool = True) -> None:
+    """fsdp_compose already reduce-scatters on a group of its own (meshes.reduce_scatter_group) wherever it can."""
+    _check_bool(enable, "enable", "set_separate_reduce_scatter_group")
+    api._states(module, recurse, "set_separate_reduce_scatter_group")
+
+
 def _set_allocate_memory_from_process_group_for_comm(module: nn.Module, enable: bool) -> None:
+    """A performance setting: fsdp_compose's communication buffers come from torch.empty."""
     _check_bool(enable, "enable", "set_allocate_memory_from_process_group_for_comm")
-    api._require_state(module, "set_allocate_memory_from_process_group_for_comm")  # buffers come from torch.empty
+    api._require_state(module, "set_allocate_memory_from_process_group_for_comm")
 
 
 def _set_symm_mem_for_comm(module: nn.Module, backend: str = "NCCL") -> None:
+    """A performance setting: fsdp_compose's staging buffers are ordinary device memory."""
     if backend != "NCCL":
         raise ValueError(f'set_symm_mem_for_comm: only backend "NCCL" exists in torch FSDP2, got {backend!r}')
-    api._require_state(module, "set_symm_mem_for_comm")  # staging buffers are ordinary device memory
+    api._require_state(module, "set_symm_mem_for_comm")
+
+
+def _set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
+    """FSDP2's True allocates the pre-forward/pre-backward all-gather buffers on the current stream. fsdp_compose
+    allocates them on the root step's side stream on an accelerator, on the current stream on CPU (module docstring,
+    "Streams"), whatever the value: where memory comes from, never what is computed. Recursive like FSDP2's."""
+    _check_bool(async_op, "async_op", "_set_unshard_async_op")
+    api._states(module, True, "_set_unshard_async_op")
 
 
 _METHODS: dict[str, Callable[..., Any]] = {
-    "reshard": _reshard,
+    "reshard": api.reshard,
     "unshard": _unshard,
-    "reset_iter_state": _reset_iter_state,
+    "reset_iter_state": api.reset_step,
     "set_is_last_backward": _set_is_last_backward,
     "set_requires_gradient_sync": _set_requires_gradient_sync,
-    "set_requires_all_reduce": _set_requires_all_reduce,
+    "set_requires_all_reduce": api.set_requires_all_reduce,
     "set_reshard_after_forward": _set_reshard_after_forward,
     "set_reshard_after_backward": _set_reshard_after_backward,
-    "set_modules_to_forward_prefetch": _set_modules_to_forward_prefetch,
-    "set_modules_to_backward_prefetch": _set_modules_to_backward_prefetch,
+    "set_modules_to_forward_prefetch": api.set_modules_to_forward_prefetch,
+    "set_modules_to_backward_prefetch": api.set_modules_to_backward_prefetch,
     "set_custom_all_gather": _not_mapped(
         "set_custom_all_gather", _EXTENSIONS_HINT.format(field="all_gather") + " (an encode/decode of the payload)"
     ),
@@ -236,12 +222,13 @@ FSDP2_METHOD_NAMES: tuple[str, ...] = tuple(sorted(name for name in _METHODS if 
 class _BoundMethod:
     """One FSDP2 method bound to one module instance (stored in that instance's ``__dict__``).
 
-    A plain object holding the module: ``copy.deepcopy`` of the module copies it with the module's own memo, so
-    the copy's method acts on the copy."""
+    A plain object holding the module and the method's name: ``copy.deepcopy`` of the module copies it with the
+    module's own memo, so the copy's method acts on the copy."""
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
         self.name = name
+        self.__doc__ = _METHODS[name].__doc__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _METHODS[self.name](self.module, *args, **kwargs)
@@ -288,8 +275,10 @@ def has_fsdp2_methods(module: nn.Module) -> bool:
 
 
 def share_comm_ctx(modules: list[nn.Module]) -> None:
-    """torch's ``share_comm_ctx``: FSDP2 shares its communication streams among roots (pipeline stages).
-    fsdp_compose communicates on the current stream, already shared by every module; this checks the modules."""
+    """torch's ``share_comm_ctx``: FSDP2 makes roots (pipeline stages) share its communication streams, so their
+    buffers come from one pool. fsdp_compose's roots keep their own all-gather side streams on an accelerator (module
+    docstring, 'Streams'; on CPU everything runs on the current stream), which changes where memory comes from, not
+    what is computed: this only checks that the modules are sharded."""
     for index, m in enumerate(modules):
         if not isinstance(m, nn.Module) or get_state(m) is None:
             raise ValueError(f"fc.share_comm_ctx: entry {index} ({type(m).__name__}) is not a sharded module")

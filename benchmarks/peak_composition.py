@@ -132,8 +132,8 @@ def _name_fc(counter: LabelledCounter, model: nn.Module) -> None:
         unit = state.params
         name = unit.owner_name or "root"
         counter.name([unit.shards.flat], "sharded params (flat)")
-        if state.grads.buffer is not None:
-            counter.name([state.grads.buffer], f"held: accumulated grads [{name}]")
+        if state.grads.input.buffer is not None:
+            counter.name([state.grads.input.buffer], f"held: accumulated grads [{name}]")
         for mp_ in unit.shards.params:
             if mp_.full_data is not None and mp_.slot is not None:
                 counter.name([mp_.full_data], f"full params [{name}]")

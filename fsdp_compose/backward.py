@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
+from .gathering import UnitState
 from .grads import GradState
 from .program import Program
-from .unit import UnitState
 
 if TYPE_CHECKING:
     from .flat import ManagedParam

@@ -352,11 +352,6 @@ class UnitGradients:
         self.trainable: list[ManagedParam] = self.input.trainable
         self.delivery.layout = self.input.rows
 
-    @property
-    def buffer(self) -> torch.Tensor | None:
-        """ACCUMULATING / STAGED: the reduce-scatter input being filled."""
-        return self.input.buffer
-
     def held_layout(self) -> bool | None:
         """The layout (flag columns or not) of the partial gradients held here: a buffer or HSDP partial sums fix it
         for the rest of their window. None: nothing held."""

@@ -40,9 +40,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .collectives import labelled
+from .gathering import UnitState
 from .state import ForwardCall, ShardState, states_under
 from .step import StepContext, close_unit
-from .unit import UnitState
 
 if TYPE_CHECKING:
     from .flat import ManagedParam

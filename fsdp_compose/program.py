@@ -53,8 +53,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .collectives import Work, all_reduce_max
+from .gathering import UnitState
 from .state import reshards_after_forward
-from .unit import UnitState
 
 if TYPE_CHECKING:
     from .meshes import DataParallelMesh
@@ -340,10 +340,10 @@ def backward_program(
         parameters = schedule.parameters
         group, world = control
         root = schedule.names[id(schedule.root)]
-        agreement = 2 * len(schedule.units) + parameters + world + 4
+        agreement = agreement_row_size(len(schedule.units), parameters, world)
         control_ops = [
             Operation("agreement", root, "backward", group, world, torch.int64, agreement, id(schedule.root)),
-            Operation("closing_word", root, "backward", group, world, torch.int64, world + 4, id(schedule.root)),
+            Operation("closing_word", root, "backward", group, world, torch.int64, agreement_row_size(0, 0, world), id(schedule.root)),
         ]
         program.add(control_ops[0])
         if live:
@@ -522,6 +522,13 @@ class PendingAgreement:
         # abandoned compares them, as with the fingerprints.
         differs = not quitting and result[n + world + 2] != -result[n + world + 3]
         return Agreement(participants, expected, quitting, list(map(int, result[masks:n])), differs)
+
+
+def agreement_row_size(units: int, parameters: int, world: int) -> int:
+    """Elements of the row ``start_agreement`` sends: per unit its participation and held layout, per parameter its
+    gradient flag, per rank its abandon flag, then the fingerprint and the trainability signature, each beside its
+    negation (the closing word: no unit, no parameter)."""
+    return 2 * units + parameters + world + 4
 
 
 def start_agreement(

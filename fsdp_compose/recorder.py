@@ -25,6 +25,10 @@ Bytes per record (the same conventions for every caller, so figures compare one 
 - reduce-scatter: the input's bytes (``group size`` x shard);
 - all-reduce, broadcast: the tensor's bytes; all-to-all: the input's bytes.
 
+Why not torch's ``CommDebugMode``: it counts collectives per module and operator, but keeps neither the bytes nor
+the process group of each call, and cannot scope a ``Work.wait()``: the tests, the benchmarks and the planner's
+live-bytes counter need all three.
+
 Not seen: collectives issued from C++ (DDP's reducer), barriers, and code that bound a function to a name of its own
 before the recorder started (``from torch.distributed import all_reduce``).
 

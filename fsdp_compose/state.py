@@ -25,9 +25,10 @@ from torch.autograd.graph import Node
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import wait_for_compute
+from .gathering import UnitState
 from .grads import UnitGradients, gradient_node
 from .policies import MixedPrecisionPolicy, PrefetchPoint
-from .unit import UnitParams, UnitState
+from .unit import UnitParams
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
@@ -374,7 +375,7 @@ class ShardState:
         (module, attribute) pairs that held it."""
         if self.params.gather.state is not UnitState.SHARDED or self.grads.has_pending():
             raise RuntimeError(f"cannot move a tied parameter out of {self.params.owner_name} while it is in use")
-        owners = self.params.release(original)
+        owners = self.params.shards.release(original).owners
         self.grads.refresh(self.params.shards.params)
         return owners
 

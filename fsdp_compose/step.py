@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map
 from .backward import BackwardWalk
 from .checks import check_ranks_agree
 from .collectives import labelled, side_stream, wait_for_compute
+from .gathering import UnitState
 from .grads import GradState
 from .program import (
     Agreement,
@@ -52,7 +53,6 @@ from .program import (
     unit_names,
 )
 from .state import StepPhase
-from .unit import UnitState
 
 if TYPE_CHECKING:
     from .state import ForwardCall, ShardState
@@ -131,7 +131,7 @@ class StepContext:
             # block): the same on every rank, whatever its garbage collector did with old graphs. Kept only by
             # policy (kept_unsharded) or by fc.unshard (explicit).
             kept = params.gather.explicit or state.record.kept_unsharded
-            if not kept and params.gather.state is not UnitState.SHARDED:
+            if not kept:
                 params.gather.reshard()
             if continuing:
                 state.record.forget_forward()
@@ -261,7 +261,7 @@ class StepContext:
                 # step's update through ``.data`` would bump no version counter to tell they are stale.
                 keep = not state.reshard_after_backward and not state.gradients_final
                 gather = state.params.gather
-                if not keep and gather.state is not UnitState.SHARDED:
+                if not keep:
                     gather.reshard()
                 if gather.state is UnitState.GATHERING:
                     gather.finish()
@@ -312,8 +312,7 @@ class StepContext:
         for state in self.states:
             state.grads.delivery.hold = False
             state.grads.discard()
-            if state.params.gather.state is not UnitState.SHARDED:
-                state.params.gather.reshard()
+            state.params.gather.reshard()
             state.record.forget_step()
             state.record.kept_unsharded = False
         self.gradients_held = False
@@ -358,9 +357,7 @@ def reset_current_step(step: StepContext) -> None:
 
 def _forget_step(step: StepContext) -> None:
     for state in step.states:
-        state.params.gather.explicit = False
-        if state.params.gather.state is not UnitState.SHARDED:
-            state.params.gather.reshard()
+        state.params.gather.reshard()
         state.record.forget_step()
         state.record.kept_unsharded = False
     step.backward = None

@@ -43,7 +43,7 @@ from .subclass_params import check_hooks_added
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UnitParams", "UnitState"]
+__all__ = ["UnitParams"]
 
 
 class UnitParams:
@@ -170,10 +170,6 @@ class UnitParams:
         if not self.shards.views_intact():
             self.shards.adopt()
 
-    def has_pending_full_grads(self) -> bool:
-        """Full-size ``.grad`` left on full parameters (none between steps: they move into the gradient buffer)."""
-        return any(mp.full is not None and mp.full.grad is not None for mp in self.shards.params)
-
     # ------------------------------------------------------------------ trainability
     def current_requires_grad(self, mp: ManagedParam) -> bool:
         """``requires_grad`` of the parameter the module holds now: the full one while unsharded."""
@@ -217,13 +213,6 @@ class UnitParams:
         self.gather.reshard()
         self.shards.reinstall(values, are_full=True)
         logger.debug("re-laid out %s: %d elements sharded per rank", self.owner_name, self.shards.layout.segment_numel)
-
-    def release(self, original: nn.Parameter) -> list[tuple[nn.Module, str]]:
-        """Stop managing the parameter that replaced ``original`` (it moves to an enclosing unit: a tie).
-
-        Returns the (module, attribute) pairs that held it; the caller registers its own parameter there.
-        """
-        return self.shards.release(original).owners
 
     # ------------------------------------------------------------------ copy.deepcopy
     def copy_for(self, memo: dict[int, Any]) -> UnitParams:

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp_compose as fc
 from examples.gpt_model import GPT, Block, GPTConfig, loss_fn, synthetic_batch
-from fsdp_compose.unit import UnitState
+from fsdp_compose.gathering import UnitState
 from tests.dist_utils import full_value, local_batch, max_param_diff, mesh_1d, reference_and_copy, shard_gpt, train_pair
 
 

@@ -80,7 +80,13 @@ def _accumulated_grads(rank: int, ws: int, param: str | None, micro_batches: int
         if i < micro_batches - 1:
             with fc.no_sync(model):
                 (loss_fn(model(x), y) / micro_batches).backward()
-            held_full_size.append(any(u.grads.has_pending() or u.params.has_pending_full_grads() for u in units))
+            held_full_size.append(
+                any(
+                    u.grads.has_pending()
+                    or any(mp.full is not None and mp.full.grad is not None for mp in u.params.shards.params)
+                    for u in units
+                )
+            )
             held_sharded.append(all(p.grad is not None and bool(p.grad.to_local().any()) for p in model.parameters()))
         else:
             (loss_fn(model(x), y) / micro_batches).backward()
@@ -140,7 +146,7 @@ def _sync_reduces_the_accumulation_buffer_in_place(rank: int, ws: int) -> tuple[
     x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
     with fc.no_sync(model):
         loss_fn(model(x), y).backward()
-    accumulated = {u.grads.buffer.data_ptr(): tuple(u.grads.buffer.shape) for u in units}
+    accumulated = {u.grads.input.buffer.data_ptr(): tuple(u.grads.input.buffer.shape) for u in units}
     reduced_inputs: list[int] = []
 
     def recording(call: fc.CollectiveRecord, inputs: tuple[torch.Tensor, ...], _: Any) -> None:

@@ -11,8 +11,8 @@ import torch
 import fsdp_compose as fc
 import fsdp_compose.gathering as gathering_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
+from fsdp_compose.gathering import UnitState
 from fsdp_compose.grads import GradState
-from fsdp_compose.unit import UnitState
 from tests.dist_utils import (
     local_batch,
     mesh_1d,

@@ -8,7 +8,7 @@ import pytest
 
 import fsdp_compose as fc
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
-from fsdp_compose.unit import UnitState
+from fsdp_compose.gathering import UnitState
 from tests.dist_utils import mesh_1d, mesh_nd, reference_and_copy, shard_gpt, tp_mlps, train_on_dp_mesh, train_pair
 
 TOL = 1e-5

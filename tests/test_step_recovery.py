@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import fsdp_compose as fc
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
-from fsdp_compose.unit import UnitState
+from fsdp_compose.gathering import UnitState
 from tests.dist_utils import (
     local_batch,
     make_optimizer,

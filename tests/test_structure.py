@@ -1,4 +1,5 @@
-"""The package's structure: no import circle between fsdp_compose's modules, no class over 300 lines.
+"""The package's structure: no import circle between fsdp_compose's modules, and the step path's modules import
+only the ones below them (docs/design.md's order), so calls go down.
 
 The import graph is read from the source with ``ast``: every ``import`` / ``from ... import`` statement, at module
 level, inside functions and under ``if TYPE_CHECKING:`` alike (a circle a newcomer has to follow is one, whether or
@@ -12,14 +13,23 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_compose"
-MAX_CLASS_LINES = 300
-
-# Classes over MAX_CLASS_LINES today, with their size when listed. An entry may not grow; once its class is at or
-# under the limit, the entry must go. StepContext left the list when one backward's walk moved to backward.py; the
-# unit's parameters (UnitParams) when their gather state machine moved to gathering.py and their full parameters to
-# full_params.py; UnitGradients when its reduce-scatter input became a class of its own and its delivery to .grad
-# moved to delivery.py; ShardState when lazy_init and input wrapping became functions. Nothing is over the limit now.
-CLASS_SIZE_ALLOW_LIST: dict[str, int] = {}
+# The step path, bottom to top (docs/design.md, "Files"): each imports only modules before it in this list.
+STEP_PATH = [
+    "sharding",
+    "flat",
+    "full_params",
+    "grads",
+    "gathering",
+    "unit",
+    "state",
+    "program",
+    "backward",
+    "checks",
+    "step",
+    "hooks",
+    "api",
+    "init",
+]
 
 
 def _module_names() -> dict[str, Path]:
@@ -98,17 +108,6 @@ def circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     return found
 
 
-def class_sizes() -> dict[str, int]:
-    """``module.Class`` -> lines from its ``class`` line to its last, for every class in fsdp_compose."""
-    sizes = {}
-    for name, path in _module_names().items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ClassDef):
-                assert node.end_lineno is not None
-                sizes[f"{name}.{node.name}"] = node.end_lineno - node.lineno + 1
-    return sizes
-
-
 def test_the_graph_sees_the_imports_it_should() -> None:
     """The parser itself: relative imports, submodules imported by name, imports inside functions."""
     graph = import_graph()
@@ -151,17 +150,13 @@ def test_the_engine_has_no_planner_or_fake_tensor_case() -> None:
         assert not {m for m in _torch_imports(path) if "fake" in m}, name
 
 
-def test_no_class_over_300_lines_but_the_listed_ones() -> None:
-    sizes = class_sizes()
-    table = "\n".join(f"{lines:5d}  {name}" for name, lines in sorted(sizes.items(), key=lambda kv: -kv[1])[:12])
-    over = {name: lines for name, lines in sizes.items() if lines > MAX_CLASS_LINES}
-    assert over.keys() <= CLASS_SIZE_ALLOW_LIST.keys(), f"classes over {MAX_CLASS_LINES} lines:\n{table}"
-    for name, listed in CLASS_SIZE_ALLOW_LIST.items():
-        assert name in over, f"{name} is at most {MAX_CLASS_LINES} lines now: remove it from the allow-list"
-        assert over[name] <= listed, f"{name} grew to {over[name]} lines (listed at {listed}):\n{table}"
+def test_the_step_path_imports_only_downwards() -> None:
+    graph = import_graph()
+    for index, name in enumerate(STEP_PATH):
+        above = {f"fsdp_compose.{higher}" for higher in STEP_PATH[index + 1 :]}
+        assert not graph[f"fsdp_compose.{name}"] & above, f"{name} imports a module above it: {sorted(above)}"
 
 
 if __name__ == "__main__":
     lines = ["import circle: " + " <-> ".join(sorted(circle)) for circle in circles(import_graph())]
-    lines += [f"{size:5d}  {name}" for name, size in sorted(class_sizes().items(), key=lambda kv: -kv[1])]
     sys.stdout.write("\n".join(lines) + "\n")

@@ -32,7 +32,6 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from ..api import set_requires_all_reduce, set_requires_gradient_sync, set_reshard_after_backward
 from ..state import states_under
 from ..step import keep_for_next_forward
-from ..unit import UnitState
 
 __all__ = ["PipelineStage"]
 
@@ -89,8 +88,7 @@ class PipelineStage(_TorchPipelineStage):
         super()._post_metadata_inference_cleanup()
         # The metadata inference ran a real forward and backward: free what it gathered, drop what it reduced.
         for state in states_under(self.submod):
-            if state.params.gather.state is not UnitState.SHARDED:
-                state.params.gather.reshard()
+            state.params.gather.reshard()
         if self._uses_fsdp_compose():
             for param in self.submod.parameters():
                 param.grad = None

@@ -343,7 +343,16 @@ def backward_program(
         agreement = agreement_row_size(len(schedule.units), parameters, world)
         control_ops = [
             Operation("agreement", root, "backward", group, world, torch.int64, agreement, id(schedule.root)),
-            Operation("closing_word", root, "backward", group, world, torch.int64, agreement_row_size(0, 0, world), id(schedule.root)),
+            Operation(
+                "closing_word",
+                root,
+                "backward",
+                group,
+                world,
+                torch.int64,
+                agreement_row_size(0, 0, world),
+                id(schedule.root),
+            ),
         ]
         program.add(control_ops[0])
         if live:

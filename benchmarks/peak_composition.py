@@ -171,7 +171,7 @@ _CATEGORIES = (  # (substring of the label, category), first match wins
     ("split @ torch/distributed/fsdp", "reduce-scatter: backend working copy of the input (gloo)"),
     ("grads.py:", "reduce-scatter output (becomes the sharded .grad)"),
     ("< foreach_reduce", "reduce-scatter input / output (FSDP2)"),
-    ("gathering.py:", "all-gather output / input"),
+    ("unit.py:", "all-gather output / input"),
     ("< foreach_all_gather", "all-gather output / input"),
     ("_get_param_all_gather_inputs", "all-gather output / input"),
     ("fsdp_compose/plan/gpt.py", "activations (forward)"),

@@ -97,7 +97,7 @@ class UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        self._state.params.gather.finish()
+        self._state.params.finish()
 
 
 def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | None:
@@ -109,7 +109,7 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
     _check_bool(async_op, "async_op", "unshard")
     state = _require_state(module, "unshard")
     state.start_gather(async_op=async_op)  # picks up parameters replaced since the last step first
-    state.params.gather.explicit = True
+    state.params.explicit = True
     handle = UnshardHandle(state)
     if async_op:
         return handle
@@ -119,7 +119,7 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
 
 def reshard(module: nn.Module) -> None:
     """Free the module's own full parameters and register the sharded ones again (no communication)."""
-    _require_state(module, "reshard").params.gather.reshard()
+    _require_state(module, "reshard").params.reshard()
 
 
 def set_collective_checks(module: nn.Module, enabled: bool = True) -> None:
@@ -161,7 +161,7 @@ def reset_step(module: nn.Module) -> None:
         return
     for sub in states_under(module):  # never ran a forward: nothing but held state to drop
         sub.grads.discard()
-        sub.params.gather.reshard()
+        sub.params.reshard()
         sub.record.forget_step()
 
 
@@ -205,7 +205,7 @@ def set_reshard_after_forward(module: nn.Module, value: bool | int, *, recurse: 
             )
     for state, setting in zip(states, settings, strict=True):
         state.reshard_after_forward_setting = setting
-        state.params.gather.post_forward = post_forward_group_for(setting, state.params.dp.mesh)
+        state.params.post_forward = post_forward_group_for(setting, state.params.dp.mesh)
 
 
 def set_reshard_after_backward(module: nn.Module, value: bool, *, recurse: bool = True) -> None:

@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
-from .gathering import UnitState
 from .grads import GradState
 from .program import Program
+from .unit import UnitState
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
-    from .gathering import UnitGather
     from .grads import UnitGradients
     from .state import ShardState
+    from .unit import UnitParams
 
 __all__ = ["BackwardWalk"]
 
-Issuer = Union["UnitGather", "UnitGradients"]  # what counts the collectives a unit issued (``issued``)
+Issuer = Union["UnitParams", "UnitGradients"]  # what counts the collectives a unit issued (``issued``)
 
 
 @dataclass
@@ -83,7 +83,7 @@ class BackwardWalk:
             return
         self._advance_gathers(target, needed=state)
         if not record.done and state.unshard_in_backward:
-            self._run("all_gather", state, state.params.gather, state.gather_now)
+            self._run("all_gather", state, state.params, state.gather_now)
 
     def _issue_backward_gather(self, passed: ShardState, *, now: bool) -> None:
         record = passed.record
@@ -93,10 +93,10 @@ class BackwardWalk:
             # Copied out before its prefetch is issued: the prefetch's output then never coexists with this unit's
             # all-gather output and full parameters (the same all-gathers, in the same order).
             record.gathered = True
-            self._run("all_gather", passed, passed.params.gather, passed.gather_now)
+            self._run("all_gather", passed, passed.params, passed.gather_now)
         elif not record.gathered:
             record.gathered = True
-            self._run("all_gather", passed, passed.params.gather, functools.partial(passed.start_gather, async_op=True))
+            self._run("all_gather", passed, passed.params, functools.partial(passed.start_gather, async_op=True))
         if passed.backward_prefetch is not None:
             self._prefetch([t for t in passed.backward_prefetch if t.record.position is not None])
         elif not self.draining:
@@ -109,7 +109,7 @@ class BackwardWalk:
                 record.held_prefetch, record.held_until_freed = targets, None
             else:
                 # Midway: once half the bytes of its full parameters that backward may free early are freed.
-                gather = passed.params.gather
+                gather = passed.params
                 half = 0
                 if passed.reshard_after_forward and gather.state is UnitState.UNSHARDED:
                     if self._frees_early(passed, nested=False):
@@ -153,7 +153,7 @@ class BackwardWalk:
             if grads.input.buffer is None:
                 self.make_room()
             grads.capture(mp)
-        gather = state.params.gather
+        gather = state.params
         if gather.state is not UnitState.UNSHARDED or not self._frees_early(state):
             return
         freed = gather.fulls.free_early(mp)
@@ -182,9 +182,7 @@ class BackwardWalk:
                     # waiting first keeps them from living next to the prefetched all-gather output.
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
                 target.record.gathered = True
-                self._run(
-                    "all_gather", target, target.params.gather, functools.partial(target.start_gather, async_op=True)
-                )
+                self._run("all_gather", target, target.params, functools.partial(target.start_gather, async_op=True))
 
     def call_backward_done(self, state: ShardState) -> None:
         """A ``_PostBackward`` of ``state`` ran: once every call of it this backward runs here has, finish it."""
@@ -203,11 +201,11 @@ class BackwardWalk:
         record.done = True
         if not record.gathered and record.position is not None:
             self._advance_gathers(record.position)  # peers gather it: so does this rank, before its reduction
-        if state.reshard_after_backward and state.params.gather.state is not UnitState.GATHERING:
+        if state.reshard_after_backward and state.params.state is not UnitState.GATHERING:
             # Free the full parameters first (the gradients live apart from them), on every rank alike, whether it ran
             # the unit or not. One still gathering (never needed here) is freed in the final callback, when waiting
             # for its all-gather cannot block a peer.
-            state.params.gather.reshard()
+            state.params.reshard()
         # A peer issues what ``state`` prefetched midway at the latest when its gather cursor passes ``state`` or at
         # the end of its own backward of ``state``; until then it may block only on all-gathers up to ``state`` and
         # reductions before it. So this rank may wait for that all-gather once its reduce cursor is at ``state``
@@ -219,7 +217,7 @@ class BackwardWalk:
             # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
             # then it never meets this unit's reduce-scatter input and output (issued next); where it may not wait,
             # or the all-gather has not arrived, at its pre-backward.
-            gather = prefetched.params.gather
+            gather = prefetched.params
             if gather.state is UnitState.GATHERING and prefetched.record.reached_here:
                 if gather.arrived() or may_wait:
                     prefetched.gather_now()

@@ -18,7 +18,7 @@ equals torch's. A float8 input is always sent as bytes: gloo has no float8 all-g
 The copy-out is one ``split_with_sizes_copy`` of the gathered ``(world_size, input)`` buffer into every group's full
 parameters (their ``FullBuffer`` columns) and every protocol parameter's kept all-gather outputs.
 
-Issuing and waiting for the all-gather, and the states around it, are gathering.py.
+Issuing and waiting for the all-gather, and the states around it, are unit.py.
 """
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .collectives import labelled
-from .gathering import UnitState
 from .state import ForwardCall, ShardState, states_under
 from .step import StepContext, close_unit
+from .unit import UnitState
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
@@ -84,7 +84,7 @@ def register_hooks(state: ShardState) -> None:
 
 def _reshard(state: ShardState, *unused: Any) -> None:
     """Before ``state_dict`` / ``load_state_dict``: the module's parameters are its sharded DTensors again."""
-    state.params.gather.reshard()
+    state.params.reshard()
 
 
 # ---------------------------------------------------------------------- the forward
@@ -133,7 +133,7 @@ def pre_forward(
 
 def _open(state: ShardState, module: nn.Module, compute_dtype: torch.dtype) -> None:
     """Gather the unit for forward (a no-op when it is gathered already) and prefetch the next in the schedule."""
-    gather = state.params.gather
+    gather = state.params
     record = state.record
     record.full_precision_now = state.full_precision_in_eval and not module.training
     # Kept unsharded since an in-place update: gather again (start_gather does so for another precision too).

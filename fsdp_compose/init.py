@@ -168,19 +168,12 @@ def fully_shard(
         placings,
         mesh,
         device,
-        mp_policy.param_dtype,
-        mp_policy.reduce_dtype,
         owner_name,
-        frozen_params,
-        extensions,
-        offload_policy,
-    )
-    unit_params.gather.post_forward = post_forward_group_for(reshard_after_forward, mesh)
-    unit_params.gather.hook_policy = torch_fsdp.MixedPrecisionPolicy(
-        param_dtype=mp_policy.param_dtype,
-        reduce_dtype=mp_policy.reduce_dtype,
-        output_dtype=mp_policy.output_dtype,
-        cast_forward_inputs=mp_policy.cast_forward_inputs,
+        mp_policy=mp_policy,
+        frozen_params=frozen_params,
+        extensions=extensions,
+        offload_policy=offload_policy,
+        post_forward=post_forward_group_for(reshard_after_forward, mesh),
     )
     state = ShardState(
         tuple(modules),

@@ -53,8 +53,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .collectives import Work, all_reduce_max
-from .gathering import UnitState
 from .state import reshards_after_forward
+from .unit import UnitState
 
 if TYPE_CHECKING:
     from .meshes import DataParallelMesh
@@ -286,13 +286,13 @@ def gathers_in_backward(state: ShardState, *, live: bool, is_root: bool = False)
         return False
     if not live:
         return reshards_after_forward(state.reshard_after_forward_setting, is_root=is_root)
-    gather = state.params.gather
+    gather = state.params
     return gather.needs_gather or gather.compute_dtype != state.compute_dtype(state.modules[0])
 
 
 def _gather(state: ShardState, name: str, phase: str, *, post_forward: bool) -> Operation:
     params = state.params
-    group_reshard = params.gather.post_forward
+    group_reshard = params.post_forward
     group = group_reshard.group if post_forward and group_reshard is not None else params.dp.shard_group
     numel = None  # sized by the gather plan, or by an extension's encode
     if params.shards.uniform and params.extensions.all_gather is None:
@@ -372,7 +372,7 @@ def backward_program(
                 continue
             reached.add(id(target))
             if gathers_in_backward(target, live=live, is_root=target is schedule.root):
-                gather = target.params.gather
+                gather = target.params
                 grouped = gather.state is UnitState.GROUP_SHARDED if live else gather.post_forward is not None
                 program.add(_gather(target, names[id(target)], "backward", post_forward=grouped))
     for state in schedule.reduce_order:

@@ -25,10 +25,9 @@ from torch.autograd.graph import Node
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import wait_for_compute
-from .gathering import UnitState
 from .grads import UnitGradients, gradient_node
 from .policies import MixedPrecisionPolicy, PrefetchPoint
-from .unit import UnitParams
+from .unit import UnitParams, UnitState
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
@@ -255,7 +254,7 @@ class ShardState:
         self.mp_policy = mp_policy
         self.auto_refresh_trainable = auto_refresh_trainable
         # Settings (changed through the fc.set_* functions).
-        # None: decided at lazy init (the root keeps); an int k: keep 1/k per rank (see UnitGather.reshard_to_group)
+        # None: decided at lazy init (the root keeps); an int k: keep 1/k per rank (see UnitParams.reshard_to_group)
         self.reshard_after_forward_setting = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -275,7 +274,7 @@ class ShardState:
         self.root: ShardState | None = None
         self.ctx: StepOwner | None = None  # the root's step, on every state under it
         self.record = UnitStepRecord()
-        params.gather.fulls.hooks = weakref.ref(self)  # its full parameters' gradient hooks call gradient_made
+        params.fulls.hooks = weakref.ref(self)  # its full parameters' gradient hooks call gradient_made
 
     # ------------------------------------------------------------------ root and settings as they act
     @property
@@ -309,7 +308,7 @@ class ShardState:
         ``dtype``: the compute dtype of the module being entered (default: the unit's first module's)."""
         if dtype is None:
             dtype = self.compute_dtype(self.modules[0])
-        gather = self.params.gather
+        gather = self.params
         if gather.state is not UnitState.SHARDED and gather.compute_dtype != dtype:
             gather.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
         changed = gather.state is UnitState.SHARDED and self.params_changed()
@@ -326,7 +325,7 @@ class ShardState:
 
     def gather_now(self) -> None:
         self.start_gather(async_op=False)
-        self.params.gather.finish()
+        self.params.finish()
 
     def params_changed(self) -> bool:
         """Did the user change a parameter of this unit since the last step: replace or cast it (the module holds
@@ -334,7 +333,7 @@ class ShardState:
         ``requires_grad``, or attach FSDP2's all-gather hooks? One identity pass over the parameters at every step
         start; what a change means is ``adopt_changes`` and ``refresh_trainable``."""
         params = self.params
-        gathered = params.gather.state is not UnitState.SHARDED
+        gathered = params.state is not UnitState.SHARDED
         return (
             params.shards.defer_hookless
             or not params.shards.views_intact(gathered=gathered)
@@ -373,7 +372,7 @@ class ShardState:
     def release(self, original: nn.Parameter) -> list[tuple[nn.Module, str]]:
         """Stop managing the parameter that replaced ``original``: it moves to an enclosing unit (a tie). Returns the
         (module, attribute) pairs that held it."""
-        if self.params.gather.state is not UnitState.SHARDED or self.grads.has_pending():
+        if self.params.state is not UnitState.SHARDED or self.grads.has_pending():
             raise RuntimeError(f"cannot move a tied parameter out of {self.params.owner_name} while it is in use")
         owners = self.params.shards.release(original).owners
         self.grads.refresh(self.params.shards.params)
@@ -401,7 +400,7 @@ class ShardState:
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)
         new.params = self.params.copy_for(memo)
-        new.params.gather.fulls.hooks = weakref.ref(new)
+        new.params.fulls.hooks = weakref.ref(new)
         new.grads = UnitGradients(new.params.reduce_spec(), new.params.shards.params)
         new.grads.take_settings(self.grads)
         new.modules = tuple(copy.deepcopy(m, memo) for m in self.modules)

@@ -36,7 +36,6 @@ from torch.utils._pytree import tree_map
 from .backward import BackwardWalk
 from .checks import check_ranks_agree
 from .collectives import labelled, side_stream, wait_for_compute
-from .gathering import UnitState
 from .grads import GradState
 from .program import (
     Agreement,
@@ -53,6 +52,7 @@ from .program import (
     unit_names,
 )
 from .state import StepPhase
+from .unit import UnitState
 
 if TYPE_CHECKING:
     from .state import ForwardCall, ShardState
@@ -130,9 +130,9 @@ class StepContext:
             # Anything left gathered is freed (a prefetch nobody used, parameters kept after a forward, a group
             # block): the same on every rank, whatever its garbage collector did with old graphs. Kept only by
             # policy (kept_unsharded) or by fc.unshard (explicit).
-            kept = params.gather.explicit or state.record.kept_unsharded
+            kept = params.explicit or state.record.kept_unsharded
             if not kept:
-                params.gather.reshard()
+                params.reshard()
             if continuing:
                 state.record.forget_forward()
             else:
@@ -260,7 +260,7 @@ class StepContext:
                 # Full parameters stay across a backward only where asked and no optimizer step can follow it: a
                 # step's update through ``.data`` would bump no version counter to tell they are stale.
                 keep = not state.reshard_after_backward and not state.gradients_final
-                gather = state.params.gather
+                gather = state.params
                 if not keep:
                     gather.reshard()
                 if gather.state is UnitState.GATHERING:
@@ -312,7 +312,7 @@ class StepContext:
         for state in self.states:
             state.grads.delivery.hold = False
             state.grads.discard()
-            state.params.gather.reshard()
+            state.params.reshard()
             state.record.forget_step()
             state.record.kept_unsharded = False
         self.gradients_held = False
@@ -334,7 +334,7 @@ def reset_current_step(step: StepContext) -> None:
         # This rank's forward stopped at an exception; the others (if it raised here only) go on through theirs:
         # issue the forward all-gathers they issue after that point, in registration order.
         for state in step.states:
-            if not state.record.entered and state.params.gather.needs_gather and not state.params.gather.explicit:
+            if not state.record.entered and state.params.needs_gather and not state.params.explicit:
                 state.gather_now()
         step.forward_raised = False
     if step.backward is None:
@@ -357,7 +357,7 @@ def reset_current_step(step: StepContext) -> None:
 
 def _forget_step(step: StepContext) -> None:
     for state in step.states:
-        state.params.gather.reshard()
+        state.params.reshard()
         state.record.forget_step()
         state.record.kept_unsharded = False
     step.backward = None
@@ -373,7 +373,7 @@ def _to_device(device: torch.device, value: Any) -> Any:
 def keep_for_next_forward(state: ShardState) -> None:
     """A unit still gathered by a forward whose backward has not run yet stays gathered through the next root
     forward (a pipeline stage's next micro-batch), as FSDP2 keeps it: that forward would free and gather it again."""
-    if state.record.entries and state.params.gather.state is UnitState.UNSHARDED:
+    if state.record.entries and state.params.state is UnitState.UNSHARDED:
         state.record.kept_unsharded = True
 
 
@@ -385,7 +385,7 @@ def close_unit(state: ShardState) -> None:
         return
     record.opened = False
     record.pending_modules = set()
-    gather = state.params.gather
+    gather = state.params
     if not record.opening_needs_backward:
         gather.reshard()
     elif state.reshard_after_forward:
@@ -487,8 +487,8 @@ def _as_after_forward(states: list[ShardState]) -> None:
     their parameters (``_zero_walk`` then issues no backward all-gather for them, also where this rank's failed
     forward freed them)."""
     for state in states:
-        if state.reshard_after_forward and not state.params.gather.explicit:
-            state.params.gather.reshard()
+        if state.reshard_after_forward and not state.params.explicit:
+            state.params.reshard()
 
 
 def _recomputes_inside(running_calls: dict[int, list[ForwardCall]]) -> bool:

@@ -1,29 +1,38 @@
-"""A unit's parameters: the sharded storage, the gather, the full parameters; one ``fully_shard`` call's worth.
+"""A unit's parameters: the sharded storage, the gather state machine and the full parameters of one
+``fully_shard`` call.
 
 A unit is two objects, both held by its ``ShardState`` (state.py): its parameters (``UnitParams``, here) and its
-gradients (grads.py ``UnitGradients``: the reduce-scatter input and the delivery to ``.grad``). The parameters are
-made of three parts, each in its own file, which know nothing of each other's insides:
+gradients (grads.py ``UnitGradients``: the reduce-scatter input and the delivery to ``.grad``). ``UnitParams`` owns
+the flat shard buffer(s) and the DTensor parameters viewing them (flat.py ``FlatShard``), the full parameters the
+gathered bytes land in (full_params.py ``FullParams``), and the one gather state machine (``UnitState``)::
 
-- the flat shard buffer(s) and the DTensor parameters viewing them (flat.py ``FlatShard``);
-- the gather state machine (gathering.py ``UnitGather``: all-gather, wait, reshard), which owns the full parameters
-  the gathered bytes land in (full_params.py ``FullParams``).
+    SHARDED --start--> GATHERING --finish--> UNSHARDED --reshard--> SHARDED
+    UNSHARDED --reshard_to_group--> GROUP_SHARDED --start--> GATHERING     (reshard_after_forward=k)
+    GROUP_SHARDED --reshard--> SHARDED
 
-What stays here is what concerns the parameters as a whole: which dtypes the unit computes and reduces in (the
-``ReduceSpec`` its gradient side is built from); catching up with parameters the user replaced, cast or (un)froze
-since the last step (each may re-lay out the shards); moving a tied parameter out to an enclosing unit; and
-``copy.deepcopy``. What a change means for the gradients (a rebuild in another dtype, a new layout) the state does,
-which owns both. The engine (hooks.py, step.py, backward.py) calls the parts directly: ``params.gather`` (start, wait,
-reshard, state) and ``params.shards`` (parameters, layout). Nothing here runs in a step that changes nothing: the
-step's start and every gather from the shards ask ``ShardState.params_changed`` (one identity pass) and come here
-only for a change.
+1. ``start(dtype)`` issues one flat all-gather of every rank's segment in the compute ``dtype``; ``finish`` waits for
+   it, and full_params.py copies each parameter's rows out into its own full tensor and registers those on the
+   owning modules, so the user's forward runs unchanged.
+2. ``reshard`` registers the sharded DTensor parameters again and frees the full tensors' storage (full_params.py).
+
+This is the one place that decides which all-gather a unit issues (its flat buffer, one ``GatherPlan`` of several
+dtypes or protocol parameters, or the post-forward block within a group of ``k`` ranks) and when it waits; which
+unit gathers when is the step's (hooks.py, backward.py). A transition not listed in ``_ALLOWED`` raises. It also
+holds what concerns the parameters as a whole: the dtypes the unit computes and reduces in (the ``ReduceSpec`` its
+gradient side is built from), catching up with parameters the user replaced, cast or (un)froze since the last step
+(each may re-lay out the shards), and ``copy.deepcopy``. What a change means for the gradients the state does, which
+owns both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import enum
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -31,23 +40,63 @@ import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .collectives import Work, all_gather_flat, labelled, record_event, wait_for
 from .extensions import ShardExtensions
 from .flat import FlatShard, ManagedParam
-from .full_params import FullParams
-from .gathering import UnitGather, UnitState
+from .full_params import FullParams, GatherPlan
 from .grads import ReduceSpec
-from .meshes import DataParallelMesh, ParamPlacing, reduce_scatter_group
+from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_scatter_group
 from .offload import UnitDevices
-from .policies import OffloadPolicy
-from .subclass_params import check_hooks_added
+from .policies import MixedPrecisionPolicy, OffloadPolicy
+from .sharding import write_param_into_segments
+from .subclass_params import check_hooks_added, shard_mesh
+from .transitions import internal_error, transition_error
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UnitParams"]
+__all__ = ["UnitParams", "UnitState"]
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # an all-gather is in flight
+    UNSHARDED = "unsharded"
+    # After forward with reshard_after_forward=k: sharded parameters registered, plus 1/k of the gathered buffer kept
+    # so that backward re-gathers within a group of k ranks (e.g. one node) instead of the whole shard group.
+    GROUP_SHARDED = "group_sharded"
+
+
+_ALLOWED: dict[UnitState, frozenset[UnitState]] = {
+    UnitState.SHARDED: frozenset({UnitState.GATHERING}),
+    UnitState.GATHERING: frozenset({UnitState.UNSHARDED}),
+    UnitState.UNSHARDED: frozenset({UnitState.SHARDED, UnitState.GROUP_SHARDED}),
+    UnitState.GROUP_SHARDED: frozenset({UnitState.GATHERING, UnitState.SHARDED}),
+}
+
+
+@dataclass
+class _PendingGather:
+    """An all-gather in flight. It holds its input too: an asynchronous collective reads it until the wait."""
+
+    work: Work | None
+    output: torch.Tensor
+    input: torch.Tensor
+    encoded: bool  # the output needs the all-gather extension's decode
+    plan: GatherPlan | None = None  # several dtypes or protocol parameters in one all-gather (full_params.py)
+    collective: bool = True  # an all-gather filled ``output`` (False: one rank, the output is the shard itself)
+    issued: torch.Event | None = None  # recorded on the side stream after the copy-in and the collective's issue
+    stream: torch.Stream | None = None  # the side stream it was issued on, which allocated its buffers
 
 
 class UnitParams:
-    """Parameters of one ``fully_shard`` call, sharded on dim 0 over the data-parallel mesh's shard group."""
+    """Parameters of one ``fully_shard`` call, sharded on dim 0 over the data-parallel mesh's shard group, and their
+    gather state (the module docstring).
+
+    ``start``, ``finish`` and ``reshard`` run with torch.func's transforms (``jvp``, ``vmap``, ``grad``) switched off:
+    the buffers and full parameters they make are the unit's own, plain tensors, never wrapped for the transform of
+    the forward that gathers them. Inside the transform the parameters are then constants, as torch's
+    ``fully_shard`` makes them.
+    """
 
     def __init__(
         self,
@@ -55,34 +104,47 @@ class UnitParams:
         placings: list[ParamPlacing],
         mesh: DeviceMesh,
         device: torch.device,
-        param_dtype: torch.dtype | None,
-        reduce_dtype: torch.dtype | None,
         owner_name: str,
+        *,
+        mp_policy: MixedPrecisionPolicy,
         frozen_params: str = "shard",
         extensions: ShardExtensions | None = None,
         offload_policy: OffloadPolicy | None = None,
+        post_forward: PostForwardGroup | None = None,
     ) -> None:
         self.dp = DataParallelMesh.of(mesh)
         self.extensions = extensions or ShardExtensions()
         # The flat layout and the all-gather run over the shard group; reduce-scatters over a separate group of the
         # same ranks, so the two never have to be issued in one agreed order (see meshes.reduce_scatter_group).
+        self.group = self.dp.shard_group
         self.reduce_group = reduce_scatter_group(self.dp)
+        self.rank = self.dp.shard_rank
         self.world_size = self.dp.shard_size
         self.device = device  # where it computes: the mesh's device
         self.devices = UnitDevices.of(offload_policy or OffloadPolicy(), device)
         self.owner_name = owner_name
-        self.policy_param_dtype = param_dtype  # None: the parameters' own dtype
-        self.policy_reduce_dtype = reduce_dtype  # None: the compute dtype
-        self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
-        # What a protocol parameter's hooks receive (torch's policy class); fully_shard sets the whole policy
-        self._attach_gather(torch_fsdp.MixedPrecisionPolicy(param_dtype, reduce_dtype))
-
-    def _attach_gather(self, hook_policy: torch_fsdp.MixedPrecisionPolicy) -> None:
-        """A fresh gather state machine (SHARDED) and full parameters over this unit's shards."""
-        fulls = FullParams(self.shards, self.devices, self.world_size, self.policy_param_dtype)
-        self.gather = UnitGather(
-            self.shards, fulls, self.dp, self.devices, self.extensions, self.owner_name, hook_policy
+        self.policy_param_dtype = mp_policy.param_dtype  # None: the parameters' own dtype
+        self.policy_reduce_dtype = mp_policy.reduce_dtype  # None: the compute dtype
+        # What a protocol parameter's hooks receive (torch's policy class)
+        self.hook_policy = torch_fsdp.MixedPrecisionPolicy(
+            param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+            output_dtype=mp_policy.output_dtype,
+            cast_forward_inputs=mp_policy.cast_forward_inputs,
         )
+        self.post_forward = post_forward  # set by reshard_after_forward=k (1 < k < world size)
+        self.shards = FlatShard(params, placings, self.dp, self.devices, owner_name, frozen_params)
+        self._reset_gather()
+
+    def _reset_gather(self) -> None:
+        """SHARDED, nothing in flight, no full parameters yet."""
+        self.fulls = FullParams(self.shards, self.devices, self.world_size, self.policy_param_dtype)
+        self.state = UnitState.SHARDED
+        self.explicit = False  # gathered by fc.unshard: the next forward consumes it rather than discarding it
+        self.compute_dtype: torch.dtype | None = None  # dtype of the full parameters gathered last
+        self._pending_gather: _PendingGather | None = None
+        self._group_block: torch.Tensor | None = None  # GROUP_SHARDED: this rank's W/k segments of the gathered buffer
+        self.issued = 0  # all-gathers issued so far (the backward walk checks each against the step's program)
 
     def __repr__(self) -> str:
         """What this unit is: its modules, mesh, parameters (global and local sizes), dtypes and state."""
@@ -96,7 +158,7 @@ class UnitParams:
         return (
             f"UnitParams({self.owner_name}, mesh={tuple(mesh.shape)} {mesh.device_type}{names}, "
             f"params={len(params)}, numel={total}, local_numel={local} ({self.shard_device.type}), dtype={dtype}"
-            f"{compute.replace('torch.', '')}, state={self.gather.state.value})"
+            f"{compute.replace('torch.', '')}, state={self.state.value})"
         )
 
     # ------------------------------------------------------------------ dtypes
@@ -143,12 +205,6 @@ class UnitParams:
             extensions=self.extensions,
         )
 
-    # ------------------------------------------------------------------ the gather (gathering.py)
-    def unshard(self, dtype: torch.dtype) -> None:
-        self.adopt_if_changed()
-        self.gather.start(dtype, async_op=False, stream=None)
-        self.gather.finish()
-
     @property
     def shard_device(self) -> torch.device:
         """Where the sharded parameters and their gradients live (the compute device unless offloaded)."""
@@ -163,7 +219,7 @@ class UnitParams:
         """Pick up parameters replaced or cast since the last gather (see ``FlatShard.adopt``). Runs at the start of
         a step that changed something (``ShardState.params_changed``), before anything picks a compute dtype from the
         parameters' dtype, and before a gather from the shards that finds a change the same way."""
-        if self.gather.state is not UnitState.SHARDED:
+        if self.state is not UnitState.SHARDED:
             return
         if self.shards.defer_hookless:  # FSDP2's all-gather hooks: read again before the first gather (torch too)
             self.shards.read_hooks(_added_hooks_check(self))
@@ -204,13 +260,14 @@ class UnitParams:
         for mp in self.shards.params:
             if mp.full is not None:
                 mp.full.requires_grad_(mp.trainable)
-                self.gather.fulls.hook(mp)
+                self.fulls.hook(mp)
 
     def _relayout(self) -> None:
-        self.gather.reshard()
-        self.unshard(self.shards.dtype)  # gather the master values, not a low-precision copy
+        self.reshard()
+        self.start(self.shards.dtype, async_op=False, stream=None)  # the master values, not a low-precision copy
+        self.finish()
         values = [cast(torch.Tensor, mp.full_data).clone() for mp in self.shards.params]
-        self.gather.reshard()
+        self.reshard()
         self.shards.reinstall(values, are_full=True)
         logger.debug("re-laid out %s: %d elements sharded per rank", self.owner_name, self.shards.layout.segment_numel)
 
@@ -218,18 +275,224 @@ class UnitParams:
     def copy_for(self, memo: dict[int, Any]) -> UnitParams:
         """This unit for a ``copy.deepcopy`` of its modules: same mesh and groups, the copied parameters (adopted at
         the first gather), its own copy of the extensions (hooks may keep state, e.g. error feedback)."""
-        if self.gather.state is not UnitState.SHARDED:
+        if self.state is not UnitState.SHARDED:
             raise RuntimeError(
-                f"copy.deepcopy of a sharded module while its unit {self.owner_name} is {self.gather.state.value}; "
+                f"copy.deepcopy of a sharded module while its unit {self.owner_name} is {self.state.value}; "
                 "call fc.reshard(module) first (units are resharded between training steps)"
             )
         new = object.__new__(UnitParams)
         new.__dict__.update(self.__dict__)
         new.shards = self.shards.copy_for(memo)
         new.extensions = copy.deepcopy(self.extensions, memo)
-        new._attach_gather(self.gather.hook_policy)  # SHARDED, nothing in flight, no full parameters yet
-        new.gather.post_forward, new.gather.compute_dtype = self.gather.post_forward, self.gather.compute_dtype
+        new._reset_gather()
+        new.compute_dtype = self.compute_dtype
         return new
+
+    # ------------------------------------------------------------------ the gather
+    def _to(self, new: UnitState) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise transition_error(self.state, new, f"unit {self.owner_name}")
+        self.state = new
+
+    # ------------------------------------------------------------------ issue
+    def start(self, dtype: torch.dtype, *, async_op: bool, stream: torch.Stream | None) -> None:
+        """Issue the all-gather in ``dtype`` (no-op when already unsharded or gathering).
+
+        ``stream``: a side stream for the copy-in and the collective's issue, so they overlap compute (None: the
+        current stream; always None on a CPU device). The buffers are allocated on it; ``finish`` makes the compute
+        stream wait for it and it wait for the copy-out. The caller (``ShardState.start_gather``) has resharded a
+        group block kept in another dtype, picked up parameters replaced or cast (``ShardState.params_changed``) and
+        ordered the stream after the compute stream's last writes of the shards.
+        """
+        with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
+            if self.state is UnitState.GROUP_SHARDED:
+                block = self._group_block
+                self._group_block = None
+                if block is not None and block.dtype == dtype:
+                    self._start_group_gather(block, async_op=async_op)
+                    return
+                block_dtype = None if block is None else block.dtype
+                raise internal_error(f"unit {self.owner_name}", f"a group block in {block_dtype} gathered as {dtype}")
+            if self.state is not UnitState.SHARDED:
+                return
+            self.compute_dtype = dtype
+            if not self.shards.uniform:
+                self._start_plan(dtype, async_op=async_op)
+                return
+            transform = self.extensions.all_gather
+            numel = self.shards.layout.segment_numel
+            flat = self.shards.flat
+            cast_in_place = transform is None and dtype != flat.dtype and self.world_size > 1 and numel > 0
+            gathers = self.world_size > 1 and numel > 0
+            if transform is not None:
+                stream = None  # an extension's encode decides the collective's size: it runs on the compute stream
+            with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"), stream or contextlib.nullcontext():
+                # Allocated on the side stream, which waits for the copy-out before the buffer goes (``finish``).
+                gathered = torch.empty(self.world_size * numel, dtype=dtype, device=self.device) if gathers else None
+                if cast_in_place:
+                    # Cast straight into this rank's segment of the output and all-gather in place (the input is a view
+                    # of the output): no separate low-precision copy of the shard lives next to the output while it
+                    # runs. Offloaded, the shard crosses to the device in its own dtype first and is cast there.
+                    if gathered is None:
+                        raise internal_error(f"unit {self.owner_name}", "gathered is missing")
+                    shard = gathered[self.rank * numel : (self.rank + 1) * numel]
+                    shard.copy_(self.devices.to_compute(flat, flat.dtype))
+                    work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
+                    pending = _PendingGather(work, gathered, shard, encoded=False)
+                else:
+                    shard = self.devices.to_compute(flat, dtype)
+                    if transform is not None and gathers:
+                        shard = transform.encode(shard)
+                        gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=self.device)
+                    if gathered is None:
+                        pending = _PendingGather(None, shard, shard, encoded=False, collective=False)
+                    else:
+                        work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
+                        pending = _PendingGather(work, gathered, shard, encoded=transform is not None)
+            if stream is not None:
+                pending.issued, pending.stream = record_event(self.device, stream), stream
+            self._pending_gather = pending
+            self.issued += pending.collective
+            self._to(UnitState.GATHERING)
+
+    def _start_plan(self, dtype: torch.dtype, *, async_op: bool) -> None:
+        """Several dtype groups or protocol parameters: one all-gather of all their inputs (see full_params.py).
+
+        Runs on the compute stream: a pre-hook may communicate (float8's amax) and decides the collective's size.
+        """
+        inputs = [
+            self.devices.to_compute(group.flat, self.fulls.compute_dtype_for(group.dtype, dtype))
+            for group in self.shards.groups
+        ]
+        with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"):
+            for mp in self.shards.protocol:
+                if mp.subclass is None:
+                    raise internal_error(f"unit {self.owner_name}", "mp.subclass is missing")
+                module = mp.owners[0][0]
+                local = mp.sharded._local_tensor
+                inputs.extend(mp.subclass.all_gather_inputs(local, shard_mesh(self.dp.mesh), module, self.hook_policy))
+            plan = GatherPlan.copy_in(inputs, self.world_size, self.rank, self.device)
+            work = None
+            collective = self.world_size > 1 and plan.shard.numel() > 0
+            if collective:
+                work = all_gather_flat(plan.output, plan.shard, self.group, async_op=async_op)
+        self._pending_gather = _PendingGather(
+            work, plan.output, plan.shard, encoded=False, plan=plan, collective=collective
+        )
+        self.issued += collective
+        self._to(UnitState.GATHERING)
+
+    def _start_group_gather(self, block: torch.Tensor, *, async_op: bool) -> None:
+        """All-gather the post-forward blocks within the group of k ranks: all ``W`` segments, in order."""
+        if self.post_forward is None:
+            raise internal_error(f"unit {self.owner_name}", "self.post_forward is missing")
+        numel = self.world_size * self.shards.layout.segment_numel
+        gathered = torch.empty(numel, dtype=block.dtype, device=block.device)
+        work = None
+        if numel > 0:  # a unit of kept-whole parameters only has nothing to gather
+            with labelled(f"fsdp_compose::all_gather[{self.owner_name}]"):
+                work = all_gather_flat(gathered, block.view(-1), self.post_forward.group, async_op=async_op)
+        self._pending_gather = _PendingGather(work, gathered, block, encoded=False, collective=numel > 0)
+        self.issued += numel > 0
+        self._to(UnitState.GATHERING)
+
+    @property
+    def needs_gather(self) -> bool:
+        """Nothing gathered yet, or only the post-forward group's segments (``reshard_after_forward=k``)."""
+        return self.state is UnitState.SHARDED or self.state is UnitState.GROUP_SHARDED
+
+    # ------------------------------------------------------------------ wait and copy out
+    def arrived(self) -> bool:
+        """GATHERING: has the all-gather completed (a check, not a wait)? True when there is nothing to wait for."""
+        pending = self._pending_gather
+        return pending is None or pending.work is None or pending.work.is_completed()
+
+    def finish(self) -> None:
+        """Wait for the all-gather, fill the full parameters and register them on the modules."""
+        with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
+            if self.state is not UnitState.GATHERING:
+                return
+            if self._pending_gather is None or self.compute_dtype is None:
+                raise internal_error(f"unit {self.owner_name}", "self._pending_gather or self.compute_dtype is missing")
+            pending, self._pending_gather = self._pending_gather, None
+            if pending.issued is not None:  # issued on the side stream
+                wait_for(pending.issued, self.device)
+            if pending.work is not None:
+                with labelled(f"fsdp_compose::all_gather_wait[{self.owner_name}]"):
+                    pending.work.wait()
+            dtype = self.compute_dtype
+            with labelled(f"fsdp_compose::all_gather_copy_out[{self.owner_name}]"):
+                if pending.plan is not None:
+                    self.fulls.copy_out_plan(pending.plan, dtype)
+                else:
+                    # the flat all-gather's output as ``(world_size, segment)`` rows (decoded by an extension)
+                    segment_numel = self.shards.layout.segment_numel
+                    transform = self.extensions.all_gather
+                    if pending.encoded and transform is not None:
+                        decoded = transform.decode(pending.output.view(self.world_size, -1), dtype)
+                        self.fulls.copy_out(decoded[:, :segment_numel], dtype)
+                    else:
+                        self.fulls.copy_out(pending.output.view(self.world_size, segment_numel), dtype)
+                if pending.collective and self.device.type == "cpu":
+                    # gloo's worker thread keeps its reference to a finished collective's tensors until it gets
+                    # around to dropping the work, after ``Work.wait`` has returned, so dropping ours would free the
+                    # buffer some time later, while the next unit may already be computing (a block-sized buffer
+                    # more at a step's peak, in some steps only): its storage is released now. On an accelerator the
+                    # compute stream's ordering rule frees it (collectives.py), which a resize would bypass.
+                    pending.output.untyped_storage().resize_(0)
+                if pending.stream is not None:
+                    # The compute stream read buffers the side stream allocated: the side stream's next allocation
+                    # may reuse their blocks, so it waits for this copy-out first (no record_stream needed).
+                    copied_out = record_event(self.device)
+                    if copied_out is not None:
+                        pending.stream.wait_event(copied_out)
+                self.fulls.register(dtype)
+            self._to(UnitState.UNSHARDED)
+
+    # ------------------------------------------------------------------ free
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the full parameters' storage (keeping the objects)."""
+        with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
+            if self.state is UnitState.GATHERING:
+                self.finish()
+            self.explicit = False
+            if self.state is UnitState.GROUP_SHARDED:
+                self._group_block = None
+                self._to(UnitState.SHARDED)
+            if self.state is UnitState.UNSHARDED:
+                self.fulls.free()
+                self._to(UnitState.SHARDED)
+
+    def reshard_to_group(self) -> None:
+        """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest.
+
+        The kept block is cut from the full parameters (already in the compute dtype), so backward all-gathers
+        ``1/k`` of the unit per rank within the group instead of ``1/W`` over the whole shard group.
+        """
+        if self.post_forward is None:
+            raise internal_error(f"unit {self.owner_name}", "reshard_after_forward=k sets the post-forward group")
+        if not self.shards.uniform:
+            raise NotImplementedError(
+                f"reshard_after_forward={self.post_forward.size} on {self.owner_name}, whose parameters have several "
+                "dtypes or use FSDP2's all-gather hooks; use True or False for this unit"
+            )
+        if self.state is UnitState.GATHERING:
+            self.finish()
+        if self.state is not UnitState.UNSHARDED:
+            self.reshard()
+            return
+        per_member = self.world_size // self.post_forward.size
+        first = self.post_forward.position * per_member
+        if self.compute_dtype is None:
+            raise internal_error(f"unit {self.owner_name}", "self.compute_dtype is missing")
+        layout = self.shards.layout
+        block = torch.zeros(per_member, layout.segment_numel, dtype=self.compute_dtype, device=self.device)
+        for mp in self.shards.params:
+            if mp.slot is not None and mp.full_data is not None:
+                write_param_into_segments(mp.full_data, block, layout.slots[mp.slot], first)
+        self.fulls.free()
+        self._group_block = block
+        self._to(UnitState.GROUP_SHARDED)
 
 
 def _added_hooks_check(unit: UnitParams) -> Callable[[list[tuple[str, torch.Tensor, int, bool]]], None]:
@@ -241,5 +504,5 @@ def _added_hooks_check(unit: UnitParams) -> Callable[[list[tuple[str, torch.Tens
         mesh=unit.dp.mesh,
         offloaded=unit.devices.offloaded,
         all_gather_extension=unit.extensions.all_gather is not None,
-        group_reshard=unit.gather.post_forward is not None,
+        group_reshard=unit.post_forward is not None,
     )

@@ -37,8 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compose.collectives as streams_module
 import fsdp_compose.delivery as delivery_module
-import fsdp_compose.gathering as gathering_module
 import fsdp_compose.step as step_module
+import fsdp_compose.unit as unit_module
 
 __all__ = ["StreamSim", "on_recording_streams", "recording_streams"]
 
@@ -339,7 +339,7 @@ def recording_streams(seed: int = 0) -> Iterator[StreamSim]:
         (step_module, "side_stream", sim.new_side_stream),
         (streams_module, "current_stream", lambda device: sim.current),
         (delivery_module, "current_stream", lambda device: sim.current),
-        (gathering_module, "record_event", sim.record_event),
+        (unit_module, "record_event", sim.record_event),
         (delivery_module, "record_event", sim.record_event),
         # NCCL reads a reduce-scatter's input while it runs (gloo on a CPU device copies it at issue)
         (delivery_module.ReduceSpec, "input_copied_at_issue", property(lambda spec: False)),

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp_compose as fc
 from examples.gpt_model import GPT, Block, GPTConfig, loss_fn, synthetic_batch
-from fsdp_compose.gathering import UnitState
+from fsdp_compose.unit import UnitState
 from tests.dist_utils import full_value, local_batch, max_param_diff, mesh_1d, reference_and_copy, shard_gpt, train_pair
 
 
@@ -60,7 +60,7 @@ def _sharded_between_steps(rank: int, ws: int) -> None:
         model(x)
     # torch FSDP2 leaves the root unsharded after a no_grad forward; here every unit is resharded
     assert all(isinstance(p, DTensor) for p in model.parameters())
-    assert all(fc.get_state(m).params.gather.state is not UnitState.UNSHARDED for m in [model, *model.blocks])
+    assert all(fc.get_state(m).params.state is not UnitState.UNSHARDED for m in [model, *model.blocks])
 
 
 @pytest.mark.parametrize("ws", [1, 2])

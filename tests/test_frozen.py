@@ -87,7 +87,7 @@ def _frozen_blocks_reshard_layer_by_layer(rank: int, ws: int) -> dict[str, Any]:
     def watch(i: int) -> Callable[..., None]:
         def forward_hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
             # the moment the gradient reaches block i's output, blocks after i must already be sharded again
-            output.register_hook(lambda g: observed.append((i, [u.gather.state.value for u in units[i + 1 :]])))
+            output.register_hook(lambda g: observed.append((i, [u.state.value for u in units[i + 1 :]])))
 
         return forward_hook
 

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
-from fsdp_compose.gathering import UnitState
+from fsdp_compose.unit import UnitState
 from tests.dist_utils import (
     full_value,
     local_batch,
@@ -73,11 +73,11 @@ def _reshard_settings(rank: int, ws: int) -> tuple[float, list[bool], list[bool]
         pairs = list(zip(local_batch(inputs, rank, ws).chunk(2), local_batch(targets, rank, ws).chunk(2), strict=True))
         with fc.no_sync(model):
             loss = loss_fn(model(pairs[0][0]), pairs[0][1]) / 2
-            after_forward.append(all(u.gather.state is UnitState.UNSHARDED for u in units))
+            after_forward.append(all(u.state is UnitState.UNSHARDED for u in units))
             loss.backward()
-        after_no_sync.append(all(u.gather.state is UnitState.UNSHARDED for u in units))
+        after_no_sync.append(all(u.state is UnitState.UNSHARDED for u in units))
         (loss_fn(model(pairs[1][0]), pairs[1][1]) / 2).backward()
-        after_sync.append(any(u.gather.state is UnitState.UNSHARDED for u in units))
+        after_sync.append(any(u.state is UnitState.UNSHARDED for u in units))
         opt.step()
     return max_param_diff(model, reference), after_forward, after_no_sync, after_sync
 

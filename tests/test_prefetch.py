@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import fsdp_compose as fc
-import fsdp_compose.gathering as gathering_module
+import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
-from fsdp_compose.gathering import UnitState
 from fsdp_compose.grads import GradState
+from fsdp_compose.unit import UnitState
 from tests.dist_utils import (
     local_batch,
     mesh_1d,
@@ -28,7 +28,7 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
     _, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws))
     units = {
-        id(fc.get_state(m).params.gather): name
+        id(fc.get_state(m).params): name
         for name, m in [("root", model)] + [(f"b{i}", b) for i, b in enumerate(model.blocks)]
     }
     if explicit:
@@ -36,9 +36,9 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
         fc.set_modules_to_forward_prefetch(model.blocks[1], [])
         fc.set_modules_to_backward_prefetch(model.blocks[3], [model.blocks[1], model.blocks[0]])
     issued: list[tuple[str, bool]] = []
-    original = gathering_module.UnitGather.start
+    original = unit_module.UnitParams.start
 
-    def recording(self: gathering_module.UnitGather, dtype: torch.dtype, *, async_op: bool, stream: Any) -> None:
+    def recording(self: unit_module.UnitParams, dtype: torch.dtype, *, async_op: bool, stream: Any) -> None:
         if self.state is UnitState.SHARDED:
             issued.append((units[id(self)], async_op))
         original(self, dtype, async_op=async_op, stream=stream)
@@ -48,15 +48,13 @@ def _record_gathers(rank: int, ws: int, explicit: bool) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn(model(x), y).backward()  # the first step records the forward order
     opt.step()  # prefetches after a step must not be taken for stale gathers (each unit is gathered once)
-    gathering_module.UnitGather.start = recording  # type: ignore[method-assign]
+    unit_module.UnitParams.start = recording  # type: ignore[method-assign]
     try:
         loss_fn(model(x), y).backward()
     finally:
-        gathering_module.UnitGather.start = original  # type: ignore[method-assign]
+        unit_module.UnitParams.start = original  # type: ignore[method-assign]
     states = [fc.get_state(m) for m in [model, *model.blocks]]
-    left_in_flight = [
-        s.params.gather.state is UnitState.GATHERING or s.grads.state is not GradState.IDLE for s in states
-    ]
+    left_in_flight = [s.params.state is UnitState.GATHERING or s.grads.state is not GradState.IDLE for s in states]
     return {"issued": issued, "left_in_flight": any(left_in_flight)}
 
 
@@ -123,7 +121,7 @@ def _eval_between_steps(rank: int, ws: int) -> float:
     train_pair(rank, ws, model, reference, cfg, steps=1)
     with torch.no_grad():
         model(local_batch(synthetic_batch(cfg, 4, 9)[0], rank, ws))
-    assert all(fc.get_state(m).params.gather.state is not UnitState.UNSHARDED for m in [model, *model.blocks])
+    assert all(fc.get_state(m).params.state is not UnitState.UNSHARDED for m in [model, *model.blocks])
     return train_pair(rank, ws, model, reference, cfg, steps=2)
 
 
@@ -139,13 +137,13 @@ def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
     _, model = reference_and_copy(cfg)
     shard_gpt(model, mesh_1d(ws), mp_policy=fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     named = [("root", model)] + [(f"b{i}", b) for i, b in enumerate(model.blocks)]
-    units = {id(fc.get_state(m).params.gather): name for name, m in named}
+    units = {id(fc.get_state(m).params): name for name, m in named}
     all_units = [fc.get_state(m) for _, m in named]
     issued: list[tuple[str, bool]] = []
     overlapping: list[str] = []
-    original = gathering_module.UnitGather.start
+    original = unit_module.UnitParams.start
 
-    def recording(self: gathering_module.UnitGather, dtype: torch.dtype, *, async_op: bool, stream: Any) -> None:
+    def recording(self: unit_module.UnitParams, dtype: torch.dtype, *, async_op: bool, stream: Any) -> None:
         if self.state is UnitState.SHARDED:
             issued.append((units[id(self)], async_op))
             if any(u.grads.state is GradState.REDUCE_SCATTERING for u in all_units):
@@ -156,7 +154,7 @@ def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
     x, y = local_batch(inputs, rank, ws), local_batch(targets, rank, ws)
     loss_fn(model(x), y).backward()  # records the forward order
     result: dict[str, Any] = {}
-    gathering_module.UnitGather.start = recording  # type: ignore[method-assign]
+    unit_module.UnitParams.start = recording  # type: ignore[method-assign]
     try:
         for name, sync in [("no_sync", False), ("sync", True), ("plain", True)]:
             out = model(x)  # forward gathers are not recorded: only backward's
@@ -166,7 +164,7 @@ def _gathers_while_draining(rank: int, ws: int) -> dict[str, Any]:
                 loss_fn(out, y).backward()
             result[name] = {"issued": list(issued), "overlapping": list(overlapping)}
     finally:
-        gathering_module.UnitGather.start = original  # type: ignore[method-assign]
+        unit_module.UnitParams.start = original  # type: ignore[method-assign]
     return result
 
 
@@ -198,7 +196,7 @@ def _prefetch_point(rank: int, ws: int, point: str | None, micro_batches: int = 
     def watch(i: int, moment: str) -> Any:
         def forward_hook(module: Any, args: Any, output: torch.Tensor) -> None:
             previous = fc.get_state(model.blocks[i - 1]).params
-            output.register_hook(lambda g: seen.append((i, moment, previous.gather.state.value)))
+            output.register_hook(lambda g: seen.append((i, moment, previous.state.value)))
 
         return forward_hook
 
@@ -333,14 +331,14 @@ def _states_at_reduce_scatters(rank: int, ws: int) -> dict[str, Any]:
     shard_gpt(model, mesh_1d(ws))
     units = [fc.get_state(block).params for block in model.blocks]
     snapshots: list[list[str]] = []
-    original = gathering_module.UnitGather.arrived
-    gathering_module.UnitGather.arrived = lambda self: False  # type: ignore[method-assign]
+    original = unit_module.UnitParams.arrived
+    unit_module.UnitParams.arrived = lambda self: False  # type: ignore[method-assign]
     try:
-        issued = lambda work, input: snapshots.append([u.gather.state.value for u in units])  # noqa: E731
+        issued = lambda work, input: snapshots.append([u.state.value for u in units])  # noqa: E731
         with watching_reduce_scatters(issued, lambda work: None):
             diff = train_pair(rank, ws, model, reference, cfg, steps=2, batch_size=8)
     finally:
-        gathering_module.UnitGather.arrived = original  # type: ignore[method-assign]
+        unit_module.UnitParams.arrived = original  # type: ignore[method-assign]
     return {"diff": diff, "snapshots": snapshots}
 
 

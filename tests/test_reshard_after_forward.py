@@ -8,7 +8,7 @@ import pytest
 
 import fsdp_compose as fc
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
-from fsdp_compose.gathering import UnitState
+from fsdp_compose.unit import UnitState
 from tests.dist_utils import mesh_1d, mesh_nd, reference_and_copy, shard_gpt, tp_mlps, train_on_dp_mesh, train_pair
 
 TOL = 1e-5
@@ -47,8 +47,8 @@ def _what_backward_gathers(rank: int, ws: int) -> dict[str, Any]:
         inputs, targets = synthetic_batch(cfg, 8, 0)
         loss = loss_fn(model(inputs.chunk(ws)[rank]), targets.chunk(ws)[rank])
         units = [fc.get_state(block).params for block in model.blocks]  # type: ignore[union-attr]
-        after_forward = [u.gather.state for u in units]
-        blocks = [u.gather._group_block for u in units]
+        after_forward = [u.state for u in units]
+        blocks = [u._group_block for u in units]
         freed = all(
             mp.full_data is None or mp.full_data.untyped_storage().size() == 0 for u in units for mp in u.shards.params
         )
@@ -58,7 +58,7 @@ def _what_backward_gathers(rank: int, ws: int) -> dict[str, Any]:
         ]
         with recorder.labelled("backward"):
             loss.backward()
-        after_backward = [u.gather.state for u in units]
+        after_backward = [u.state for u in units]
     # the group size of each all-gather, in forward and in backward
     gathers = [r for r in recorder.records if r.kind == "all_gather" and not r.functional]
     forward_gathers = [r.group_size for r in gathers if r.label == ""]
@@ -119,7 +119,7 @@ def _trivial_values(rank: int, ws: int) -> list[Any]:
     results = []
     for value in (ws, 1):  # the whole shard group is True; one rank keeps everything: False
         fc.set_reshard_after_forward(model.blocks[0], value)
-        results.append((states[0].reshard_after_forward_setting, states[0].params.gather.post_forward))  # type: ignore[union-attr]
+        results.append((states[0].reshard_after_forward_setting, states[0].params.post_forward))  # type: ignore[union-attr]
     return results
 
 

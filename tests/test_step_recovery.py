@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import fsdp_compose as fc
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
-from fsdp_compose.gathering import UnitState
+from fsdp_compose.unit import UnitState
 from tests.dist_utils import (
     local_batch,
     make_optimizer,
@@ -98,7 +98,7 @@ def _train_with_a_failed_step(
                 # the block whose forward raised resharded (its post-forward hook ran); the next block, prefetched
                 # before the failure, is freed at the next step
                 raised_in = fc.get_state(model.blocks[1])
-                sharded_after_failure.append(raised_in.params.gather.state is UnitState.SHARDED)
+                sharded_after_failure.append(raised_in.params.state is UnitState.SHARDED)
             continue
         opt.step()
     return {"diff": max_param_diff(model, reference), "raised": raised, "sharded": sharded_after_failure}

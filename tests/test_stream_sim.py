@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 import fsdp_compose.delivery as delivery_module
-import fsdp_compose.gathering as gathering_module
 import fsdp_compose.grads as grads_module
 import fsdp_compose.program as schedule_module
 import fsdp_compose.step as step_module
+import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig
 from tests.dist_utils import mesh_1d, mesh_nd, reference_and_copy, shard_gpt, train_pair
 from tests.random_models import config_from_seed
@@ -101,7 +101,7 @@ def _sabotaged_run(rank: int, ws: int, how: str, cfg: Any) -> list[str]:
             # gloo's rule on an accelerator: the reduce-scatter's input is freed as soon as it is issued
             delivery_module.ReduceSpec.input_copied_at_issue = property(lambda spec: True)  # type: ignore[assignment]
         elif how == "skip_copy_in_wait":
-            gathering_module.wait_for = lambda event, device: None  # type: ignore[assignment]
+            unit_module.wait_for = lambda event, device: None  # type: ignore[assignment]
         elif how == "skip_step_start_wait":
             step_module.wait_for_compute = lambda stream, device: None  # type: ignore[assignment]
         elif how == "skip_copy_out_wait":
@@ -110,7 +110,7 @@ def _sabotaged_run(rank: int, ws: int, how: str, cfg: Any) -> list[str]:
             def record_event(device: Any, stream: Any = None) -> Any:
                 return sim.record_event(device, stream if stream is not None else idle)
 
-            gathering_module.record_event = record_event  # type: ignore[assignment]
+            unit_module.record_event = record_event  # type: ignore[assignment]
         elif how == "read_agreement_unordered":
 
             def wait(pending: schedule_module.PendingAgreement) -> None:
@@ -122,13 +122,13 @@ def _sabotaged_run(rank: int, ws: int, how: str, cfg: Any) -> list[str]:
         try:
             run_case(rank, ws, cfg)
         finally:
-            gathering_module.wait_for = _WAIT_FOR
+            unit_module.wait_for = _WAIT_FOR
             step_module.wait_for_compute = _WAIT_FOR_COMPUTE
             schedule_module.PendingAgreement.wait = _AGREEMENT_WAIT  # type: ignore[method-assign]
     return sim.violations
 
 
-_WAIT_FOR = gathering_module.wait_for
+_WAIT_FOR = unit_module.wait_for
 _WAIT_FOR_COMPUTE = step_module.wait_for_compute
 _AGREEMENT_WAIT = schedule_module.PendingAgreement.wait
 
@@ -180,7 +180,7 @@ def _side_waits(rank: int, ws: int) -> dict[str, int]:
     cfg = dataclasses.replace(GRAPH_SHAPES["chunked_loss"], ws=ws)
     counts = {"forwards": 0, "side_gathers": 0, "waits_for_compute": 0, "waits_for_copy_out": 0}
     wait_stream, wait_event = SimStream.wait_stream, SimStream.wait_event
-    begin_forward, start = step_module.StepContext.begin_forward, gathering_module.UnitGather.start
+    begin_forward, start = step_module.StepContext.begin_forward, unit_module.UnitParams.start
 
     def counted_wait_stream(self: SimStream, other: SimStream) -> None:
         counts["waits_for_compute"] += self.name.startswith("side") and other.name == "compute"
@@ -203,7 +203,7 @@ def _side_waits(rank: int, ws: int) -> dict[str, int]:
         (SimStream, "wait_stream", counted_wait_stream),
         (SimStream, "wait_event", counted_wait_event),
         (step_module.StepContext, "begin_forward", counted_begin_forward),
-        (gathering_module.UnitGather, "start", counted_start),
+        (unit_module.UnitParams, "start", counted_start),
     ]
     with recording_streams(seed=rank) as sim:
         for owner, name, value in patches:
@@ -212,7 +212,7 @@ def _side_waits(rank: int, ws: int) -> dict[str, int]:
             run_case(rank, ws, cfg)
         finally:
             for owner, name, value in zip(
-                (SimStream, SimStream, step_module.StepContext, gathering_module.UnitGather),
+                (SimStream, SimStream, step_module.StepContext, unit_module.UnitParams),
                 ("wait_stream", "wait_event", "begin_forward", "start"),
                 (wait_stream, wait_event, begin_forward, start),
                 strict=True,

@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compose as fc
 import fsdp_compose.collectives as streams_module
-import fsdp_compose.gathering as gathering_module
 import fsdp_compose.step as step_module
+import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from tests.dist_utils import full_value, local_batch, mesh_1d, reference_and_copy, shard_gpt
 
@@ -72,10 +72,10 @@ def _gather_on_recording_streams(rank: int, ws: int) -> dict[str, Any]:
     log: list[tuple[Any, ...]] = []
     where = ["compute"]
     compute = _Stream("compute", log, where)
-    saved = (step_module.side_stream, streams_module.current_stream, gathering_module.record_event)
+    saved = (step_module.side_stream, streams_module.current_stream, unit_module.record_event)
     step_module.side_stream = lambda device: _Stream("side", log, where)  # type: ignore[assignment,return-value]
     streams_module.current_stream = lambda device: compute  # type: ignore[assignment,return-value]
-    gathering_module.record_event = lambda device, stream=None: _Event(stream or compute, log)  # type: ignore[assignment,arg-type,return-value]
+    unit_module.record_event = lambda device, stream=None: _Event(stream or compute, log)  # type: ignore[assignment,arg-type,return-value]
     try:
         cfg = GPTConfig()
         reference, model = reference_and_copy(cfg)
@@ -87,7 +87,7 @@ def _gather_on_recording_streams(rank: int, ws: int) -> dict[str, Any]:
         with _OpsByStream(log, where):
             loss_fn(model(x), y).backward()
     finally:
-        step_module.side_stream, streams_module.current_stream, gathering_module.record_event = saved  # type: ignore[assignment]
+        step_module.side_stream, streams_module.current_stream, unit_module.record_event = saved  # type: ignore[assignment]
     diff = max(
         (full_value(p.grad) - q.grad).abs().max().item()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True)

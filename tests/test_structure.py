@@ -19,7 +19,6 @@ STEP_PATH = [
     "flat",
     "full_params",
     "grads",
-    "gathering",
     "unit",
     "state",
     "program",
@@ -111,7 +110,7 @@ def circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 def test_the_graph_sees_the_imports_it_should() -> None:
     """The parser itself: relative imports, submodules imported by name, imports inside functions."""
     graph = import_graph()
-    assert "fsdp_compose.collectives" in graph["fsdp_compose.gathering"]
+    assert "fsdp_compose.collectives" in graph["fsdp_compose.unit"]
     assert "fsdp_compose.api" in graph["fsdp_compose.integrations.fsdp2"]  # from . import api
     assert "fsdp_compose" not in graph["fsdp_compose.integrations.fsdp2"]
     assert "fsdp_compose.recorder" in graph["fsdp_compose.plan.step"]  # from fsdp_compose.recorder import ...

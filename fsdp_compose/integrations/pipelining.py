@@ -88,7 +88,7 @@ class PipelineStage(_TorchPipelineStage):
         super()._post_metadata_inference_cleanup()
         # The metadata inference ran a real forward and backward: free what it gathered, drop what it reduced.
         for state in states_under(self.submod):
-            state.params.gather.reshard()
+            state.params.reshard()
         if self._uses_fsdp_compose():
             for param in self.submod.parameters():
                 param.grad = None

@@ -569,7 +569,7 @@ def _measure_one(
     # creation-order number torch gives them (which differs between a simulated and a real run)
     labels = dict(mesh.group_labels)
     for state in states_under(model):
-        group = state.params.gather.post_forward
+        group = state.params.post_forward
         if group is not None:
             labels[group.group.group_name] = f"post_forward({group.size})"
     recorder = CollectiveRecorder(group_labels=labels, observer=step.on_collective)

@@ -18,7 +18,7 @@ from .hooks import post_forward, pre_forward
 from .meshes import post_forward_group_for, reshard_after_forward_setting
 from .policies import PREFETCH_POINTS, PrefetchPoint
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
-from .step import StepContext, reset_current_step
+from .step import StepContext
 
 __all__ = [
     "UnshardHandle",
@@ -157,7 +157,7 @@ def reset_step(module: nn.Module) -> None:
     root = state.root
     step = root.ctx if root is not None else None
     if isinstance(step, StepContext):
-        reset_current_step(step)  # the step belongs to the root: reset all of it, whichever of its modules was passed
+        step.reset()  # the step belongs to the root: reset all of it, whichever of its modules was passed
         return
     for sub in states_under(module):  # never ran a forward: nothing but held state to drop
         sub.grads.discard()

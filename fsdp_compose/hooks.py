@@ -1,15 +1,17 @@
 """The entry points of a step: the hooks ``fully_shard`` registers on a unit's modules and in autograd's graph.
 
-nn.Module and autograd call these functions; they decide no collective. Each tells the root's step (step.py) or the
-running backward's walk (backward.py) what happened, and the step walks the declared schedule (docs/schedule.md)::
+nn.Module and autograd call these functions; each hands what happened down to the unit (state.py: its own gather,
+close and record), the root's step (step.py: forward prefetch, the step's boundaries) or the running backward's
+walk (backward.py: every backward collective, in the agreed order; docs/schedule.md)::
 
     root pre-forward        lazy init on the first call (find the root, check every unit, make the StepContext);
                             then StepContext.begin_forward: finish the last step, refresh trainability, move inputs
-    unit pre-forward        _open: gather unless gathered, prefetch the next unit in registration order; cast
-                            inputs; wrap them in _PostBackward (its backward: this call's input gradients exist)
+    unit pre-forward        ShardState.open_for_forward (gather unless gathered), StepContext.prefetch_forward (the
+                            next unit); cast inputs; wrap them in _PostBackward (its backward: this call's input
+                            gradients exist)
     user forward            runs unchanged on full parameters
     unit post-forward       cast outputs; outputs that need grad go through _PreBackward (one ForwardCall per call);
-                            step.close_unit once every module ran (reshard per reshard_after_forward)
+                            ShardState.close_opening once every module ran (reshard per reshard_after_forward)
     ---- loss.backward() ----
     _PreBackward.backward   pre_backward: the first one agrees the backward's participants across ranks; then the
                             gather cursor issues the all-gathers up to this unit
@@ -41,8 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .collectives import labelled
 from .state import ForwardCall, ShardState, states_under
-from .step import StepContext, close_unit
-from .unit import UnitState
+from .step import StepContext
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
@@ -118,7 +119,10 @@ def pre_forward(
             args, kwargs = step.begin_forward(args, kwargs)
         compute_dtype = state.compute_dtype(module)
         if not record.opened or id(module) not in record.pending_modules:
-            _open(state, module, compute_dtype)  # first call of this unit since it closed, or a module run again
+            # first call of this unit since it closed, or a module run again
+            state.open_for_forward(module, compute_dtype)
+            if isinstance(step, StepContext):
+                step.prefetch_forward(state)
         record.pending_modules.discard(id(module))
         record.active += 1
         entry = ForwardCall(step.next_call_number() if isinstance(step, StepContext) else 0)
@@ -129,37 +133,6 @@ def pre_forward(
         elif not torch.is_inference_mode_enabled():
             _note_recomputable(state, entry, args, kwargs)
         return args, kwargs
-
-
-def _open(state: ShardState, module: nn.Module, compute_dtype: torch.dtype) -> None:
-    """Gather the unit for forward (a no-op when it is gathered already) and prefetch the next in the schedule."""
-    gather = state.params
-    record = state.record
-    record.full_precision_now = state.full_precision_in_eval and not module.training
-    # Kept unsharded since an in-place update: gather again (start_gather does so for another precision too).
-    if gather.state is UnitState.UNSHARDED and state.params.is_stale():
-        gather.reshard()
-    gather.explicit = False  # an fc.unshard issued before this forward is consumed here
-    record.kept_unsharded = False
-    state.start_gather(async_op=False, dtype=compute_dtype)
-    gather.finish()
-    grads = state.grads  # after the gather: a cast adopted there rebuilt the gradient side
-    grads.accumulating = not state.reduces_now
-    grads.input.note_accumulators()
-    record.opened = True
-    record.entered = True
-    record.opening_needs_backward = False
-    record.pending_modules = set(map(id, state.modules))
-    step = state.ctx
-    if isinstance(step, StepContext) and step.backward is None:
-        if state.forward_prefetch is not None:
-            targets = state.forward_prefetch
-        else:
-            following = step.schedule.next_after(state)
-            targets = [] if following is None else [following]
-        for target in targets:
-            if not target.record.opened:
-                target.start_gather(async_op=True)
 
 
 @_outside_compile
@@ -194,7 +167,7 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
         elif entry.inputs is not None and not (grad_enabled and tensors_in(output)):
             record.entries.append(entry)  # recomputed in backward (reentrant checkpoint): resharded until then
         if record.active == 0 and not record.pending_modules:
-            close_unit(state)
+            state.close_opening()
         if isinstance(step, StepContext) and record.active == 0:
             step.end_forward(raised=output is None)
         return output
@@ -345,7 +318,7 @@ def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entr
         record.entries.append(entry)
         record.opening_needs_backward = True
     if record.active == 0 and not record.pending_modules:
-        close_unit(state)
+        state.close_opening()
     if isinstance(state.ctx, StepContext) and state.root is state and record.active == 0:
         state.ctx.end_forward()
     return output

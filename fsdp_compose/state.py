@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -31,6 +32,8 @@ from .unit import UnitParams, UnitState
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "STATE_ATTR",
@@ -377,6 +380,90 @@ class ShardState:
         owners = self.params.shards.release(original).owners
         self.grads.refresh(self.params.shards.params)
         return owners
+
+    # ------------------------------------------------------------------ the unit's part of the step
+    # Called by the root's step (step.py) and the module hooks (hooks.py); each writes the unit's record and decides
+    # the unit's reshard for its reason.
+    def begin_step(self, *, continuing: bool) -> None:
+        """The root's pre-forward: anything left gathered is freed (a prefetch nobody used, parameters kept after a
+        forward, a group block), the same on every rank whatever its garbage collector did with old graphs, unless
+        kept by policy (``kept_unsharded``) or by ``fc.unshard`` (``explicit``); then pick up the user's changes.
+        ``continuing``: a forward while this step's backward is pending keeps the pending entries."""
+        self.grads.drop_if_user_zeroed()
+        if not (self.params.explicit or self.record.kept_unsharded):
+            self.params.reshard()
+        if continuing:
+            self.record.forget_forward()
+        else:
+            self.record.forget_step()
+        if self.params_changed():
+            self.adopt_changes()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
+            if self.auto_refresh_trainable and self.refresh_trainable():
+                logger.debug("trainability of %s changed: refreshed", self.params.owner_name)
+
+    def open_for_forward(self, module: nn.Module, compute_dtype: torch.dtype) -> None:
+        """Gather the unit for forward (a no-op when it is gathered already) for a call of ``module``."""
+        params, record = self.params, self.record
+        record.full_precision_now = self.full_precision_in_eval and not module.training
+        # Kept unsharded since an in-place update: gather again (start_gather does so for another precision too).
+        if params.state is UnitState.UNSHARDED and params.is_stale():
+            params.reshard()
+        params.explicit = False  # an fc.unshard issued before this forward is consumed here
+        record.kept_unsharded = False
+        self.start_gather(async_op=False, dtype=compute_dtype)
+        params.finish()
+        self.grads.accumulating = not self.reduces_now  # after the gather: a cast adopted there rebuilt the grads
+        self.grads.input.note_accumulators()
+        record.opened = record.entered = True
+        record.opening_needs_backward = False
+        record.pending_modules = set(map(id, self.modules))
+
+    def close_opening(self) -> None:
+        """The unit's current opening for forward ends (every module of it ran, or the root's forward ended): reshard
+        per ``reshard_after_forward``, and always when no output of it needs grad."""
+        record = self.record
+        if not record.opened:
+            return
+        record.opened = False
+        record.pending_modules = set()
+        if record.opening_needs_backward and self.reshard_after_forward and self.params.post_forward is not None:
+            self.params.reshard_to_group()
+        elif not record.opening_needs_backward or self.reshard_after_forward:
+            self.params.reshard()
+
+    def keep_for_next_forward(self) -> None:
+        """A unit still gathered by a forward whose backward has not run yet stays gathered through the next root
+        forward (a pipeline stage's next micro-batch), as FSDP2 keeps it: that forward would free and gather it
+        again."""
+        if self.record.entries and self.params.state is UnitState.UNSHARDED:
+            self.record.kept_unsharded = True
+
+    def end_backward(self, consumed: set[int]) -> None:
+        """The final callback, for a unit that took part: settle its gradients, reshard (or keep), and move the calls
+        this backward ran (``consumed``) out of the pending entries."""
+        grads, params, record = self.grads, self.params, self.record
+        grads.delivery.settle()  # the one point where the host waits for device-to-host copies of gradients
+        if grads.has_pending():  # held past this backward (no-sync): ``.grad`` tells if the user drops them
+            grads.delivery.mark_held()
+        # Full parameters stay across a backward only where asked and no optimizer step can follow it: a step's
+        # update through ``.data`` would bump no version counter to tell they are stale.
+        keep = not self.reshard_after_backward and not self.gradients_final
+        if not keep:
+            params.reshard()
+        params.finish()  # a prefetch never needed here
+        record.kept_unsharded = keep and params.state is UnitState.UNSHARDED
+        # The calls this backward ran are consumed; calls it did not run wait for a later backward (a chunked loss
+        # runs the head's backward once per chunk, then the body's).
+        finished = [e for e in record.entries if id(e) in consumed and not e.outputs_pending()]
+        record.ran += finished
+        record.entries = [e for e in record.entries if e not in finished]
+        params.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
+
+    def forget_step(self) -> None:
+        """The step is over without its final callback (it raised, or ``fc.reset_step``): sharded, nothing kept."""
+        self.params.reshard()
+        self.record.forget_step()
+        self.record.kept_unsharded = False
 
     # ------------------------------------------------------------------ gradients
     def gradient_made(self, mp: ManagedParam) -> None:

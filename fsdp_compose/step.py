@@ -52,14 +52,13 @@ from .program import (
     unit_names,
 )
 from .state import StepPhase
-from .unit import UnitState
 
 if TYPE_CHECKING:
     from .state import ForwardCall, ShardState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepContext", "StepPhase", "close_unit", "keep_for_next_forward", "reset_current_step"]
+__all__ = ["StepContext", "StepPhase"]
 
 
 class StepContext:
@@ -125,22 +124,7 @@ class StepContext:
         continuing = self.phase is StepPhase.AWAITING_BACKWARD and pending
         self.forward_raised = False
         for state in self.states:
-            params = state.params
-            state.grads.drop_if_user_zeroed()
-            # Anything left gathered is freed (a prefetch nobody used, parameters kept after a forward, a group
-            # block): the same on every rank, whatever its garbage collector did with old graphs. Kept only by
-            # policy (kept_unsharded) or by fc.unshard (explicit).
-            kept = params.explicit or state.record.kept_unsharded
-            if not kept:
-                params.reshard()
-            if continuing:
-                state.record.forget_forward()
-            else:
-                state.record.forget_step()
-            if state.params_changed():
-                state.adopt_changes()  # e.g. model.to(dtype) since the last step: its dtype is the compute dtype now
-                if state.auto_refresh_trainable and state.refresh_trainable():
-                    logger.debug("trainability of %s changed: refreshed", params.owner_name)
+            state.begin_step(continuing=continuing)
         # The side stream's all-gathers read the shards, which the optimizer (and any re-layout above) wrote on the
         # compute stream: it waits for them once here, not at every gather (gathers outside a step wait themselves).
         if self.gather_stream is not None:
@@ -152,6 +136,18 @@ class StepContext:
             args, kwargs = tree_map(functools.partial(_to_device, self.root.device), (args, kwargs))
         return args, kwargs
 
+    def prefetch_forward(self, state: ShardState) -> None:
+        """``state`` was opened for forward: prefetch the next unit in registration order (or the list of
+        ``fc.set_modules_to_forward_prefetch``), unless this forward runs inside a backward (a recompute, whose
+        gathers the walk orders)."""
+        if self.backward is not None:
+            return
+        following = self.schedule.next_after(state)
+        implicit = [] if following is None else [following]
+        for target in implicit if state.forward_prefetch is None else state.forward_prefetch:
+            if not target.record.opened:
+                target.start_gather(async_op=True)
+
     def end_forward(self, *, raised: bool = False) -> None:
         """The root's forward returned (or ``raised``): close units still open (a group only partly run, or run
         outside the root's forward), then wait for a backward if any output needs one."""
@@ -160,7 +156,7 @@ class StepContext:
         self.forward_raised = raised
         for state in self.states:
             if state.record.active == 0:
-                close_unit(state)
+                state.close_opening()
         pending = any(state.record.entries for state in self.states)
         self.phase = StepPhase.AWAITING_BACKWARD if pending else StepPhase.IDLE
 
@@ -196,7 +192,7 @@ class StepContext:
         decide_flag_columns(self.states, agreed)
         for state in self.states:
             state.record.recomputes_due = sum(entry.inputs is not None for entry in running_calls[id(state)])
-        walk = self.backward = _build_walk(self, agreed.participants, running_calls)
+        walk = self.backward = self._build_walk(agreed.participants, running_calls)
         # This backward's program (program.py), from its agreed participants and the state the forward left.
         flags = {id(state): state.grads.next_layout() for state in walk.reduce_order}
         group = self.agreement_group
@@ -221,7 +217,7 @@ class StepContext:
             bp.issue_rest()
             # Read before the waits for the reductions in flight: on an accelerator the host then waits for the
             # backward's compute and this small all-reduce only, and the optimizer's kernels queue behind the rest.
-            word = _closing_word(self, abandoning=False, program=bp.program).result(also=self.agreement)
+            word = self._closing_word(abandoning=False, program=bp.program).result(also=self.agreement)
             agreed = self.agreement.result() if self.agreement is not None else None  # read with the word
             self.agreement = None
             quitting = agreed.quitting if agreed is not None else []
@@ -253,26 +249,7 @@ class StepContext:
                 state.grads.delivery.hold = False
                 state.record.recomputes_due = 0
             for state in bp.gather_order:
-                grads = state.grads
-                grads.delivery.settle()  # the one point where the host waits for device-to-host copies of gradients
-                if grads.has_pending():  # held past this backward (no-sync): ``.grad`` tells if the user drops them
-                    grads.delivery.mark_held()
-                # Full parameters stay across a backward only where asked and no optimizer step can follow it: a
-                # step's update through ``.data`` would bump no version counter to tell they are stale.
-                keep = not state.reshard_after_backward and not state.gradients_final
-                gather = state.params
-                if not keep:
-                    gather.reshard()
-                if gather.state is UnitState.GATHERING:
-                    gather.finish()
-                record = state.record
-                record.kept_unsharded = keep and gather.state is UnitState.UNSHARDED
-                # The calls this backward ran are consumed; calls it did not run wait for a later backward (a
-                # chunked loss runs the head's backward once per chunk, then the body's).
-                finished = [e for e in record.entries if id(e) in bp.consumed and not e.outputs_pending()]
-                record.ran += finished
-                record.entries = [e for e in record.entries if e not in finished]
-                state.params.shards.replaced.arm()  # an optimizer built before fully_shard fails at its step
+                state.end_backward(bp.consumed)
             # Calls no backward has run yet (pipelined micro-batches, the body under a chunked loss) keep the step
             # waiting for theirs.
             pending = any(state.record.entries for state in self.states)
@@ -302,7 +279,7 @@ class StepContext:
         if walk is not None:
             walk.issue_rest()
             # The others raise StepAbandoned at the end of their backward.
-            word = _closing_word(self, abandoning=True)
+            word = self._closing_word(abandoning=True)
             walk.wait_rest()
             word.wait()
             self.ended_everywhere = True
@@ -312,183 +289,144 @@ class StepContext:
         for state in self.states:
             state.grads.delivery.hold = False
             state.grads.discard()
-            state.params.reshard()
-            state.record.forget_step()
-            state.record.kept_unsharded = False
+            state.forget_step()
         self.gradients_held = False
         self.draining = False
         self.backward = None
         self.phase = StepPhase.IDLE
 
-
-def reset_current_step(step: StepContext) -> None:
-    """``fc.reset_step``: forget the current step (held no-sync gradients too) and reshard every unit.
-
-    Other ranks may be running this step's backward (this rank raised in its loss or forward): this rank joins
-    its agreement as abandoning, walks it with zeros and returns; they raise ``StepAbandoned`` at its end."""
-    if step.ended_everywhere:  # until the next forward
-        _forget_step(step)
-        return
-    replayed = step.forward_raised and step.backward is None
-    if replayed:
-        # This rank's forward stopped at an exception; the others (if it raised here only) go on through theirs:
-        # issue the forward all-gathers they issue after that point, in registration order.
-        for state in step.states:
-            if not state.record.entered and state.params.needs_gather and not state.params.explicit:
-                state.gather_now()
-        step.forward_raised = False
-    if step.backward is None:
-        # Every rank calls reset_step at the same point, or this rank alone while the others run the backward
-        # of the step it abandons: either way they meet in the backward's agreement, and the step then ends on
-        # every rank (another reset_step has nothing left to do).
-        reached = [False] * len(step.states)
-        held = held_layouts(step.states)
-        pending = start_agreement(
-            step.schedule, step.agreement_group, reached, abandoning=True, checks=False, held=held
+    def _closing_word(self, *, abandoning: bool, program: Program | None = None) -> PendingAgreement:
+        """Issue the word that tells which ranks abandoned this backward after its agreement (an exception inside it,
+        then ``fc.reset_step``): one small all-reduce, issued by every rank once its walk has issued everything, before
+        the waits, so it overlaps them (docs/schedule.md, "The end of a step"). Then every operation of the backward's
+        ``program`` has been issued."""
+        word = start_agreement(
+            self.schedule, self.agreement_group, [], abandoning=abandoning, checks=False, expected=[], held=[]
         )
-        agreed = pending.result()
-        if any(agreed.participants):
-            step.backward = _zero_walk(step, agreed, replayed=replayed)
-        step.ended_everywhere = True
-    if step.backward is not None or any(s.grads.has_pending() for s in step.states):
-        step.abandon()
-    _forget_step(step)
+        if program is not None:
+            if self.agreement_group is not None:
+                program.expect("closing_word", self.root, self._where)
+            program.check_done(self._where)
+        return word
 
+    def _build_walk(self, participants: list[bool], running_calls: dict[int, list[ForwardCall]]) -> BackwardWalk:
+        """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs. Each unit's
+        record gets this backward's facts about it (``UnitStepRecord.forget_backward``)."""
+        takes_part = {id(state) for state, takes in zip(self.states, participants, strict=True) if takes}
+        gather_order = [state for state in self.schedule.gather_order if id(state) in takes_part]
+        reduce_order = [state for state in self.schedule.reduce_order if id(state) in takes_part]
+        reducing = reached = False
+        consumed: set[int] = set()
+        for state in self.states:
+            record = state.record
+            record.forget_backward(wait_after=len(gather_order))
+            calls = running_calls.get(id(state))
+            if calls:
+                # Post-backward hooks it waits for here. A call whose inputs need no gradient has none (its backward's
+                # end is not observable): such a unit finishes in the final callback.
+                observable = all([entry.post_backward_runs() for entry in calls])  # each counts its input nodes
+                consumed.update(map(id, calls))
+                reached = True
+                record.reached_here = True
+                record.calls_here = len(calls)
+                record.awaiting = len(calls) if observable else -1
+        first: list[int] = []  # per participant in the gather order: the order of its first and last forward call
+        last: list[int] = []
+        for position, state in enumerate(gather_order):
+            record = state.record
+            record.position = position
+            if state.reduces_now:
+                record.reduces = (state.requires_all_reduce, state.requires_gradient_sync)
+                reducing = True
+            seqs = [entry.seq for entry in (*record.entries, *record.ran)]
+            first.append(min(seqs, default=-1))
+            last.append(max(seqs, default=-1))
+        # Per participant ``v``: the last gather position among ``v`` and every participant with a forward call after
+        # ``v``'s first one (its backward may come before ``v``'s gradients are complete, on any rank).
+        for index, state in enumerate(gather_order):
+            if first[index] < 0:
+                continue  # no call recorded here: wait only once every gather is out (forget_backward's default)
+            wait_after = index
+            for position in range(index + 1, len(gather_order)):
+                if last[position] > first[index]:
+                    wait_after = position
+            state.record.wait_after = wait_after
+        self.draining = self.gradients_held and reducing
+        return BackwardWalk(
+            gather_order=gather_order,
+            reduce_order=reduce_order,
+            consumed=consumed,
+            draining=self.draining,
+            max_reduce_inputs=self.root.max_reduce_inputs,
+            accelerated=self.accelerated,
+            where=self._where,
+            graph_task=torch._C._current_graph_task_id() if reached and not _recomputes_inside(running_calls) else None,
+        )
 
-def _forget_step(step: StepContext) -> None:
-    for state in step.states:
-        state.params.reshard()
-        state.record.forget_step()
-        state.record.kept_unsharded = False
-    step.backward = None
-    step.phase = StepPhase.IDLE
+    def _zero_walk(self, agreed: Agreement, *, replayed: bool) -> BackwardWalk:
+        """The walk of the others' backward, for this rank to complete with zeros.
+
+        After a loss that raised here the units are where the others' are at the start of their backward (the same
+        forward ran). After a forward that raised here (``replayed``), they are put where the others' finished
+        forward leaves them: resharded where they reshard after forward (their backward all-gather comes in the
+        walk); kept where they keep their parameters (the walk then issues no backward all-gather for them, also
+        where this rank's failed forward freed them)."""
+        if replayed:
+            for state in self.states:
+                if state.reshard_after_forward and not state.params.explicit:
+                    state.params.reshard()
+        decide_flag_columns(self.states, agreed)
+        walk = self._build_walk(agreed.participants, {})
+        if replayed:
+            for state in walk.gather_order:
+                if not state.reshard_after_forward:
+                    state.record.gathered = True
+        return walk
+
+    def reset(self) -> None:
+        """``fc.reset_step``: forget the current step (held no-sync gradients too) and reshard every unit.
+
+        Other ranks may be running this step's backward (this rank raised in its loss or forward): this rank joins
+        its agreement as abandoning, walks it with zeros and returns; they raise ``StepAbandoned`` at its end."""
+        if self.ended_everywhere:  # until the next forward
+            self._forget()
+            return
+        replayed = self.forward_raised and self.backward is None
+        if replayed:
+            # This rank's forward stopped at an exception; the others (if it raised here only) go on through theirs:
+            # issue the forward all-gathers they issue after that point, in registration order.
+            for state in self.states:
+                if not state.record.entered and state.params.needs_gather and not state.params.explicit:
+                    state.gather_now()
+            self.forward_raised = False
+        if self.backward is None:
+            # Every rank calls reset_step at the same point, or this rank alone while the others run the backward
+            # of the step it abandons: either way they meet in the backward's agreement, and the step then ends on
+            # every rank (another reset_step has nothing left to do).
+            reached = [False] * len(self.states)
+            held = held_layouts(self.states)
+            pending = start_agreement(
+                self.schedule, self.agreement_group, reached, abandoning=True, checks=False, held=held
+            )
+            agreed = pending.result()
+            if any(agreed.participants):
+                self.backward = self._zero_walk(agreed, replayed=replayed)
+            self.ended_everywhere = True
+        if self.backward is not None or any(s.grads.has_pending() for s in self.states):
+            self.abandon()
+        self._forget()
+
+    def _forget(self) -> None:
+        for state in self.states:
+            state.forget_step()
+        self.backward = None
+        self.phase = StepPhase.IDLE
 
 
 def _to_device(device: torch.device, value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device != device:
         return value.to(device)
     return value
-
-
-def keep_for_next_forward(state: ShardState) -> None:
-    """A unit still gathered by a forward whose backward has not run yet stays gathered through the next root
-    forward (a pipeline stage's next micro-batch), as FSDP2 keeps it: that forward would free and gather it again."""
-    if state.record.entries and state.params.state is UnitState.UNSHARDED:
-        state.record.kept_unsharded = True
-
-
-def close_unit(state: ShardState) -> None:
-    """The unit's current opening for forward ends (every module of it ran, or the root's forward ended): reshard
-    per ``reshard_after_forward``, and always when no output of it needs grad."""
-    record = state.record
-    if not record.opened:
-        return
-    record.opened = False
-    record.pending_modules = set()
-    gather = state.params
-    if not record.opening_needs_backward:
-        gather.reshard()
-    elif state.reshard_after_forward:
-        if gather.post_forward is not None:
-            gather.reshard_to_group()
-        else:
-            gather.reshard()
-
-
-def _closing_word(step: StepContext, *, abandoning: bool, program: Program | None = None) -> PendingAgreement:
-    """Issue the word that tells which ranks abandoned this backward after its agreement (an exception inside it,
-    then ``fc.reset_step``): one small all-reduce, issued by every rank once its walk has issued everything, before
-    the waits, so it overlaps them (docs/schedule.md, "The end of a step"). Then every operation of the backward's
-    ``program`` has been issued."""
-    word = start_agreement(
-        step.schedule, step.agreement_group, [], abandoning=abandoning, checks=False, expected=[], held=[]
-    )
-    if program is not None:
-        if step.agreement_group is not None:
-            program.expect("closing_word", step.root, step._where)
-        program.check_done(step._where)
-    return word
-
-
-def _build_walk(
-    step: StepContext, participants: list[bool], running_calls: dict[int, list[ForwardCall]]
-) -> BackwardWalk:
-    """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs. Each unit's
-    record gets this backward's facts about it (``UnitStepRecord.forget_backward``)."""
-    takes_part = {id(state) for state, takes in zip(step.states, participants, strict=True) if takes}
-    gather_order = [state for state in step.schedule.gather_order if id(state) in takes_part]
-    reduce_order = [state for state in step.schedule.reduce_order if id(state) in takes_part]
-    reducing = reached = False
-    consumed: set[int] = set()
-    for state in step.states:
-        record = state.record
-        record.forget_backward(wait_after=len(gather_order))
-        calls = running_calls.get(id(state))
-        if calls:
-            # Post-backward hooks it waits for here. A call whose inputs need no gradient has none (its backward's
-            # end is not observable): such a unit finishes in the final callback.
-            observable = all([entry.post_backward_runs() for entry in calls])  # each counts its input nodes
-            consumed.update(map(id, calls))
-            reached = True
-            record.reached_here = True
-            record.calls_here = len(calls)
-            record.awaiting = len(calls) if observable else -1
-    first: list[int] = []  # per participant in the gather order: the order of its first and last forward call
-    last: list[int] = []
-    for position, state in enumerate(gather_order):
-        record = state.record
-        record.position = position
-        if state.reduces_now:
-            record.reduces = (state.requires_all_reduce, state.requires_gradient_sync)
-            reducing = True
-        seqs = [entry.seq for entry in (*record.entries, *record.ran)]
-        first.append(min(seqs, default=-1))
-        last.append(max(seqs, default=-1))
-    # Per participant ``v``: the last gather position among ``v`` and every participant with a forward call after
-    # ``v``'s first one (its backward may come before ``v``'s gradients are complete, on any rank).
-    for index, state in enumerate(gather_order):
-        if first[index] < 0:
-            continue  # no call recorded here: wait only once every gather is out (forget_backward's default)
-        wait_after = index
-        for position in range(index + 1, len(gather_order)):
-            if last[position] > first[index]:
-                wait_after = position
-        state.record.wait_after = wait_after
-    step.draining = step.gradients_held and reducing
-    return BackwardWalk(
-        gather_order=gather_order,
-        reduce_order=reduce_order,
-        consumed=consumed,
-        draining=step.draining,
-        max_reduce_inputs=step.root.max_reduce_inputs,
-        accelerated=step.accelerated,
-        where=step._where,
-        graph_task=torch._C._current_graph_task_id() if reached and not _recomputes_inside(running_calls) else None,
-    )
-
-
-def _zero_walk(step: StepContext, agreed: Agreement, *, replayed: bool) -> BackwardWalk:
-    """The walk of the others' backward, for this rank to complete with zeros (``_as_after_forward``)."""
-    if replayed:
-        _as_after_forward(step.states)
-    decide_flag_columns(step.states, agreed)
-    walk = _build_walk(step, agreed.participants, {})
-    if replayed:
-        for state in walk.gather_order:
-            if not state.reshard_after_forward:
-                state.record.gathered = True
-    return walk
-
-
-def _as_after_forward(states: list[ShardState]) -> None:
-    """After a loss that raised here the units are where the others' are at the start of their backward (the same
-    forward ran). After a forward that raised here, they are put where the others' finished forward leaves them:
-    resharded where they reshard after forward (their backward all-gather comes in the walk); kept where they keep
-    their parameters (``_zero_walk`` then issues no backward all-gather for them, also where this rank's failed
-    forward freed them)."""
-    for state in states:
-        if state.reshard_after_forward and not state.params.explicit:
-            state.params.reshard()
 
 
 def _recomputes_inside(running_calls: dict[int, list[ForwardCall]]) -> bool:

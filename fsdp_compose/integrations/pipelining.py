@@ -31,7 +31,6 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from ..api import set_requires_all_reduce, set_requires_gradient_sync, set_reshard_after_backward
 from ..state import states_under
-from ..step import keep_for_next_forward
 
 __all__ = ["PipelineStage"]
 
@@ -58,7 +57,7 @@ class PipelineStage(_TorchPipelineStage):
         # root, kept by reshard_after_forward=False) stays gathered for this forward, as FSDP2 keeps it: a new root
         # forward would otherwise free it and gather it again. Every dp rank of the stage ran the same micro-batches.
         for state in states_under(self.submod):
-            keep_for_next_forward(state)
+            state.keep_for_next_forward()
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
     def backward_one_chunk(

@@ -79,6 +79,7 @@ __all__ = [
     "gathers_in_backward",
     "held_layouts",
     "issue_agreement",
+    "participant_orders",
     "start_agreement",
     "unit_names",
 ]
@@ -359,12 +360,11 @@ def backward_program(
             program.issued[group] = 1  # the agreement went out before its answer could compile this program
     names = schedule.names
     taking_part = set(map(id, participants))
-    # The order the gather cursor and its prefetches reach the participants: the schedule's gather order, each unit
-    # followed by its explicit ``fc.set_modules_to_backward_prefetch`` targets not reached yet.
+    gather_order, reduce_order = participant_orders(schedule, taking_part)
+    # The order the gather cursor and its prefetches reach the participants: the gather order, each unit followed by
+    # its explicit ``fc.set_modules_to_backward_prefetch`` targets not reached yet.
     reached: set[int] = set()
-    for state in schedule.gather_order:
-        if id(state) not in taking_part:
-            continue
+    for state in gather_order:
         for target in [state, *(state.backward_prefetch or [])]:
             if id(target) not in taking_part or id(target) in reached:
                 continue
@@ -375,14 +375,20 @@ def backward_program(
                 gather = target.params
                 grouped = gather.state is UnitState.GROUP_SHARDED if live else gather.post_forward is not None
                 program.add(_gather(target, names[id(target)], "backward", post_forward=grouped))
-    for state in schedule.reduce_order:
-        if id(state) not in taking_part:
-            continue
+    for state in reduce_order:
         for operation in reductions(state, names[id(state)], flagged=False if flags is None else flags[id(state)]):
             program.add(operation)
     for operation in control_ops[1:]:
         program.add(operation)
     return program
+
+
+def participant_orders(schedule: StepSchedule, taking_part: set[int]) -> tuple[list[ShardState], list[ShardState]]:
+    """A backward's participants (``taking_part``: their ids) in the gather cursor's and the reduce cursor's order:
+    what the program compiles and what the walk steps through."""
+    gather_order = [state for state in schedule.gather_order if id(state) in taking_part]
+    reduce_order = [state for state in schedule.reduce_order if id(state) in taking_part]
+    return gather_order, reduce_order
 
 
 def reductions(state: ShardState, name: str, *, flagged: bool) -> list[Operation]:

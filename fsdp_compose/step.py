@@ -48,6 +48,7 @@ from .program import (
     decide_flag_columns,
     held_layouts,
     issue_agreement,
+    participant_orders,
     start_agreement,
     unit_names,
 )
@@ -313,8 +314,7 @@ class StepContext:
         """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs. Each unit's
         record gets this backward's facts about it (``UnitStepRecord.forget_backward``)."""
         takes_part = {id(state) for state, takes in zip(self.states, participants, strict=True) if takes}
-        gather_order = [state for state in self.schedule.gather_order if id(state) in takes_part]
-        reduce_order = [state for state in self.schedule.reduce_order if id(state) in takes_part]
+        gather_order, reduce_order = participant_orders(self.schedule, takes_part)
         reducing = reached = False
         consumed: set[int] = set()
         for state in self.states:

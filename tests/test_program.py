@@ -36,7 +36,7 @@ def _backwards_recorded() -> Iterator[tuple[list[Program], fc.CollectiveRecorder
     closing word), and each backward's program."""
     programs: list[Program] = []
     recorder = fc.CollectiveRecorder(functional=False)
-    compile_, close = step_module.backward_program, step_module._closing_word
+    compile_, close = step_module.backward_program, step_module.StepContext._closing_word
 
     def compiled(*args: Any, **kwargs: Any) -> Program:  # a backward's first hook compiles its program
         program = compile_(*args, **kwargs)
@@ -46,16 +46,16 @@ def _backwards_recorded() -> Iterator[tuple[list[Program], fc.CollectiveRecorder
 
     def closed(step: Any, *, abandoning: bool, program: Program | None = None) -> list[int]:
         try:
-            return close(step, abandoning=abandoning, program=program)
+            return close(step, abandoning=abandoning, program=program)  # type: ignore[return-value]
         finally:
             recorder.label = ""
 
-    step_module.backward_program, step_module._closing_word = compiled, closed  # type: ignore[assignment]
+    step_module.backward_program, step_module.StepContext._closing_word = compiled, closed  # type: ignore[assignment,method-assign]
     try:
         with recorder:
             yield programs, recorder
     finally:
-        step_module.backward_program, step_module._closing_word = compile_, close
+        step_module.backward_program, step_module.StepContext._closing_word = compile_, close  # type: ignore[method-assign]
 
 
 def _mismatches(programs: list[Program], recorder: fc.CollectiveRecorder) -> list[str]:

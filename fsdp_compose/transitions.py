@@ -1,7 +1,9 @@
-"""The one rule of every state machine in the engine: a transition outside its table is a bug, never carried on.
+"""The engine's two internal errors: a state-machine move outside its table, and a broken invariant.
 
-Each machine (a unit's gather state, its gradient pipeline, its phase in the step, the root's step) is an enum with
-a table of allowed transitions; a move outside it raises ``transition_error``.
+Two machines have a table of allowed transitions (``_ALLOWED``): a unit's gather state (``unit.UnitState``) and its
+gradient pipeline (``grads.GradState``); a move outside it raises ``transition_error`` instead of carrying on. The
+root's step phase (``state.StepPhase``) has no table: only step.py assigns it. ``internal_error`` is for any other
+broken invariant (something missing that must be there).
 """
 
 from __future__ import annotations

@@ -75,12 +75,15 @@ class BackwardWalk:
         record = state.record
         target = record.position
         if target is None:
-            if record.done:
-                raise RuntimeError(f"internal error in fsdp_compose: {self.where(state)} gathered after its backward")
-            # Run by this backward although no forward entry said so (a forward inside it, a unit nested in a
-            # recomputed one): every rank gathers it here alike, outside the compiled program (not checked).
-            state.gather_now()
-            return
+            # Run by this backward although no forward entry of this step said so (a forward inside the backward, a
+            # unit nested in a recomputed one): the ranks agreed on, and compiled, a program without it, so a gather
+            # here could not be checked to match the other ranks'.
+            what = "after its backward" if record.done else "by a backward no forward entry of it announced"
+            raise RuntimeError(
+                f"fsdp_compose: unit {state.params.owner_name} needs its parameters {what} ({self.where(state)}), "
+                "outside the schedule this backward agreed on. Run the unit's forward before the backward that uses "
+                "it (not from inside a backward hook or a custom autograd Function's backward)"
+            )
         self._advance_gathers(target, needed=state)
         if not record.done and state.unshard_in_backward:
             self._run("all_gather", state, state.params, state.gather_now)

@@ -35,7 +35,7 @@ from .meshes import DataParallelMesh
 from .offload import UnitDevices
 from .transitions import internal_error
 
-__all__ = ["GradientDelivery", "ReduceSpec", "RowsLayout", "divide_factors"]
+__all__ = ["GradientDelivery", "ReduceSpec", "RowsLayout"]
 
 
 @dataclass(frozen=True)
@@ -275,24 +275,3 @@ def _versions(grad: torch.Tensor) -> tuple[int, int]:
     """Version counters of a sharded ``.grad`` and of its local tensor: an in-place zero_ bumps at least one."""
     local = getattr(grad, "_local_tensor", grad)
     return grad._version, local._version
-
-
-def divide_factors(dp: DataParallelMesh, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
-    """(pre, post) divisors whose product is the divide factor (default: the data-parallel size, replicas included).
-
-    The data-parallel size is asked now, not taken from the mesh at ``fully_shard``: the shard size times the
-    replicate group's current ``size()``. For c10d's groups that is the mesh's replicate size; a group that changes
-    size (torchft's managed group: the live replicas) is asked at each reduction, as torch's ``fully_shard`` does (it
-    asks the group for AVG or divides by its ``size()`` there). A size below 1 (torchft before any quorum) counts as 1.
-
-    fp16 has a small range: the sum over ``world_size`` ranks of in-range values can overflow, so for fp16 every rank
-    pre-divides by ``world_size`` (the sum of the quotients is then an average, in range whenever the inputs are) and
-    the rest of the factor is applied after. Other dtypes have fp32's range: one post-division is the most accurate.
-    """
-    replicas = dp.replicate_group
-    world_size = dp.shard_size if replicas is None else dp.shard_size * max(1, replicas.size())
-    total = float(world_size if divide_factor is None else divide_factor)
-    if reduce_dtype != torch.float16 or world_size <= 1:
-        return 1.0, total
-    pre = float(world_size)
-    return pre, total / pre

@@ -42,8 +42,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .collectives import Work, all_reduce, labelled, reduce_scatter_flat
-from .delivery import GradientDelivery, ReduceSpec, RowsLayout, divide_factors
+from .delivery import GradientDelivery, ReduceSpec, RowsLayout
 from .flat import ManagedParam
+from .meshes import DataParallelMesh
 from .sharding import FlatLayout, chunk_rows, write_grad_into_segments
 from .transitions import internal_error, transition_error
 
@@ -54,6 +55,7 @@ __all__ = [
     "ReduceScatterInput",
     "ReduceSpec",
     "UnitGradients",
+    "divide_factors",
     "gradient_node",
     "local_grad",
 ]
@@ -326,6 +328,11 @@ class UnitGradients:
         new.delivery.on_finished = self.delivery.on_finished
         return new
 
+    def divisors(self) -> tuple[float, float]:
+        """(pre, post): this unit's gradients are divided by ``pre`` before the reduction and by ``post`` after it
+        (``divide_factors``)."""
+        return divide_factors(self.spec.dp, self.divide_factor, self.spec.reduce_dtype)
+
     def take_settings(self, old: UnitGradients) -> None:
         """The user's settings of ``old``: divide factor, FSDP2's all-reduce hook and unused-parameter mode."""
         self.divide_factor = old.divide_factor
@@ -386,7 +393,7 @@ class UnitGradients:
         grad = local_grad(mp)
         if grad is None or id(mp) not in self.input.column:
             return
-        pre, _ = divide_factors(self.spec.dp, self.divide_factor, self.spec.reduce_dtype)
+        pre, _ = self.divisors()
         self._write_one(mp, grad, pre)
 
     def _buffer_for_writing(self) -> None:
@@ -401,7 +408,7 @@ class UnitGradients:
 
     def _flush(self) -> None:
         """Move gradients the hook did not see into the buffer (all of them in a plain synced step)."""
-        pre, _ = divide_factors(self.spec.dp, self.divide_factor, self.spec.reduce_dtype)
+        pre, _ = self.divisors()
         for mp in self.trainable:
             grad = local_grad(mp)
             if grad is not None:
@@ -420,7 +427,7 @@ class UnitGradients:
         if self.state in (GradState.REDUCE_SCATTERING, GradState.ALL_REDUCING):
             self.finish()  # a second use of the unit in one backward: its first reduction completes first
         if self.state is GradState.IDLE:
-            pre, _ = divide_factors(self.spec.dp, self.divide_factor, self.spec.reduce_dtype)
+            pre, _ = self.divisors()
             if self.input.stage_all(pre, flagged=self.next_layout()):
                 self._to(GradState.STAGED)
                 return
@@ -533,7 +540,7 @@ class UnitGradients:
         self._to(GradState.IDLE)
         if self.dropping:
             return
-        _, post = divide_factors(self.spec.dp, self.divide_factor, self.spec.reduce_dtype)
+        _, post = self.divisors()
         with labelled(f"fsdp_compose::deliver_gradients[{self.spec.owner_name}]"):
             self.delivery.deliver(
                 flight.output,
@@ -575,3 +582,24 @@ class UnitGradients:
         self.delivery.marks = {}
         self.dropping = False
         self.state = GradState.IDLE
+
+
+def divide_factors(dp: DataParallelMesh, divide_factor: float | None, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    """(pre, post) divisors whose product is the divide factor (default: the data-parallel size, replicas included).
+
+    The data-parallel size is asked now, not taken from the mesh at ``fully_shard``: the shard size times the
+    replicate group's current ``size()``. For c10d's groups that is the mesh's replicate size; a group that changes
+    size (torchft's managed group: the live replicas) is asked at each reduction, as torch's ``fully_shard`` does (it
+    asks the group for AVG or divides by its ``size()`` there). A size below 1 (torchft before any quorum) counts as 1.
+
+    fp16 has a small range: the sum over ``world_size`` ranks of in-range values can overflow, so for fp16 every rank
+    pre-divides by ``world_size`` (the sum of the quotients is then an average, in range whenever the inputs are) and
+    the rest of the factor is applied after. Other dtypes have fp32's range: one post-division is the most accurate.
+    """
+    replicas = dp.replicate_group
+    world_size = dp.shard_size if replicas is None else dp.shard_size * max(1, replicas.size())
+    total = float(world_size if divide_factor is None else divide_factor)
+    if reduce_dtype != torch.float16 or world_size <= 1:
+        return 1.0, total
+    pre = float(world_size)
+    return pre, total / pre

@@ -247,7 +247,7 @@ def is_c10d_group(group: dist.ProcessGroup) -> bool:
 class DataParallelMesh:
     """The data-parallel mesh's roles: the shard group (gathers, reduce-scatters) and the optional replicate group.
 
-    ``replicate_size`` is the mesh's replicate dim, fixed at ``fully_shard``; ``delivery.divide_factors`` asks the
+    ``replicate_size`` is the mesh's replicate dim, fixed at ``fully_shard``; ``grads.divide_factors`` asks the
     replicate group at the time of the reduction (a torchft group's size is the number of replicas in this step's
     quorum)."""
 

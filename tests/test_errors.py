@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -208,3 +210,69 @@ def test_meta_parameters_at_first_forward_fail_on_every_rank_before_a_collective
 @pytest.mark.parametrize("ws", [1])
 def test_functions_need_a_sharded_module(run_dist, ws: int) -> None:
     run_dist(ws, _functions_need_a_sharded_module)
+
+
+class _WithSpare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head, self.spare = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.a(x)))
+
+
+def _forward_inside_backward(rank: int, ws: int) -> dict[str, object]:
+    """A unit whose forward first runs inside the backward (from a tensor hook): the backward's agreed program has
+    no place for its gather, so every rank raises the same error naming it; fc.reset_step recovers and the next
+    steps train like the unsharded model."""
+    mesh = mesh_1d(ws)
+    torch.manual_seed(0)
+    model = _WithSpare()
+    reference = copy.deepcopy(model)
+    for unit in (model.a, model.b, model.spare, model):
+        fc.fully_shard(unit, mesh=mesh)
+    x = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(1))
+    local = x.chunk(ws)[rank]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def step() -> None:
+        opt.zero_grad()
+        (model(local).sum() * ws).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        reference(x).sum().backward()
+        ref_opt.step()
+
+    step()
+
+    # b's output gets its gradient once the backward's walk has begun: spare's forward runs inside it
+    def run_spare(grad: torch.Tensor) -> torch.Tensor:
+        model.spare(torch.ones(1, 4))
+        return grad
+
+    def hook_output(module: nn.Module, args: object, out: torch.Tensor) -> None:
+        out.register_hook(run_spare)
+
+    late = model.b.register_forward_hook(hook_output)
+    message = ""
+    try:
+        model(local).sum().backward()
+    except RuntimeError as error:
+        message = str(error)
+    late.remove()
+    fc.reset_step(model)
+    step()
+    step()
+    diff = max(
+        float((p.full_tensor() - r).abs().max())  # type: ignore[attr-defined]
+        for p, r in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    return {"message": message, "diff": diff}
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_a_unit_first_run_inside_a_backward_is_an_error_naming_it(run_dist, ws: int) -> None:
+    for result in run_dist(ws, _forward_inside_backward):
+        assert "unit Linear needs its parameters by a backward no forward entry of it announced" in result["message"]
+        assert result["diff"] < 1e-5

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import fsdp_compose as fc
-from fsdp_compose.delivery import divide_factors
+from fsdp_compose.grads import divide_factors
 from fsdp_compose.meshes import DataParallelMesh, is_c10d_group
 from tests.dist_utils import mesh_nd
 

@@ -14,7 +14,8 @@ wrote, or reuses a block another used, only after waiting for that other stream.
 side stream's event (and for a collective, through ``Work.wait``) before it reads what the side stream wrote; the
 all-gathers' side stream allocates its own buffers, waits for the compute stream once per step before reading the
 shards the optimizer wrote (``wait_for_compute``), and waits for each copy-out before the buffers it read go back to
-its pool; the offload's copy stream waits for the compute stream before each copy (``issued_on``). docs/design.md,
+its pool; the stream a user gives ``set_all_reduce_hook`` waits for the compute stream before the hook runs
+(``issued_on``). docs/design.md,
 "Streams", has the whole rule. A CPU device runs every op to completion before the next, so there is no side
 stream and no event: the helpers return None and the callers run the same code on the current thread.
 """

@@ -95,11 +95,11 @@ def pre_forward(
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     with labelled(f"fsdp_compose::pre_forward[{state.params.owner_name}]"):
         record = state.record
-        step = state.ctx
+        step = _step_of(state)
         if torch._C._current_graph_task_id() != -1:
             # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
             # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
-            walk = step.backward if isinstance(step, StepContext) else None
+            walk = step.backward if step is not None else None
             if walk is not None:
                 walk.gather_for_backward(state)
             else:
@@ -115,17 +115,17 @@ def pre_forward(
             return args, kwargs
         if state.root is None:
             step = lazy_init(state)
-        if isinstance(step, StepContext) and state.root is state and record.active == 0:
+        if step is not None and state.root is state and record.active == 0:
             args, kwargs = step.begin_forward(args, kwargs)
         compute_dtype = state.compute_dtype(module)
         if not record.opened or id(module) not in record.pending_modules:
             # first call of this unit since it closed, or a module run again
             state.open_for_forward(module, compute_dtype)
-            if isinstance(step, StepContext):
+            if step is not None:
                 step.prefetch_forward(state)
         record.pending_modules.discard(id(module))
         record.active += 1
-        entry = ForwardCall(step.next_call_number() if isinstance(step, StepContext) else 0)
+        entry = ForwardCall(step.next_call_number() if step is not None else 0)
         record.calls.setdefault(id(module), []).append(entry)
         args, kwargs = cast_inputs(state, module, args, kwargs, compute_dtype)
         if torch.is_grad_enabled():
@@ -143,10 +143,10 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
         if torch._C._current_graph_task_id() != -1:
             return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
         record = state.record
-        step = state.ctx if state.root is state else None
+        step = _step_of(state) if state.root is state else None
         calls = record.calls.get(id(module))
         if not calls or record.active == 0:
-            if isinstance(step, StepContext) and output is None and record.active == 0:
+            if step is not None and output is None and record.active == 0:
                 step.end_forward(raised=True)  # the root's forward raised before any unit call ended
             return output  # its pre-forward did not run (e.g. it raised before)
         entry = calls.pop()
@@ -168,7 +168,7 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
             record.entries.append(entry)  # recomputed in backward (reentrant checkpoint): resharded until then
         if record.active == 0 and not record.pending_modules:
             state.close_opening()
-        if isinstance(step, StepContext) and record.active == 0:
+        if step is not None and record.active == 0:
             step.end_forward(raised=output is None)
         return output
 
@@ -180,8 +180,8 @@ def pre_backward(state: ShardState, node: object = None) -> None:
         compiled_autograd = torch._dynamo.compiled_autograd
         if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
             raise compiled_autograd_error(state.params.owner_name)  # before the unit issues any collective of it
-        step = state.ctx
-        if not isinstance(step, StepContext):
+        step = _step_of(state)
+        if step is None:
             state.gather_now()
             return
         if not state.unshard_in_backward:
@@ -196,11 +196,17 @@ def pre_backward(state: ShardState, node: object = None) -> None:
 @_outside_compile
 def post_backward(state: ShardState) -> None:
     """One call's backward is done; the backward's walk finishes the unit once every call it runs here is."""
-    step = state.ctx
-    walk = step.backward if isinstance(step, StepContext) else None
+    step = _step_of(state)
+    walk = step.backward if step is not None else None
     if walk is not None:
         with labelled(f"fsdp_compose::post_backward[{state.params.owner_name}]"):
             walk.call_backward_done(state)
+
+
+def _step_of(state: ShardState) -> StepContext | None:
+    """The root's step ``state`` belongs to (None before lazy init): ``state.ctx`` is typed as what the layers below
+    the step may read (``state.StepOwner``); the hooks, above the step, drive all of it."""
+    return state.ctx if isinstance(state.ctx, StepContext) else None
 
 
 def lazy_init(root: ShardState) -> StepContext:
@@ -319,8 +325,9 @@ def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entr
         record.opening_needs_backward = True
     if record.active == 0 and not record.pending_modules:
         state.close_opening()
-    if isinstance(state.ctx, StepContext) and state.root is state and record.active == 0:
-        state.ctx.end_forward()
+    step = _step_of(state)
+    if step is not None and state.root is state and record.active == 0:
+        step.end_forward()
     return output
 
 

@@ -383,14 +383,24 @@ class FlatShard:
         self._classify()
 
     # ------------------------------------------------------------------ keeping the views intact
-    def views_intact(self, *, gathered: bool = False) -> bool:
-        """Cheap per-step check (identity only) that every parameter is still ours: its sharded DTensor, still a view
-        into ``flat``, or (``gathered``) its full parameter."""
+    def views_intact(self) -> bool:
+        """Cheap check (identity only) that every parameter is still ours and still a view into ``flat``."""
         for mp in self.params:
-            registered = mp.registered()
-            if gathered and mp.full is not None and registered is mp.full:
-                continue
-            if registered is not mp.sharded or mp.sharded._local_tensor is not mp.local:
+            if mp.registered() is not mp.sharded or mp.sharded._local_tensor is not mp.local:
+                return False
+        return True
+
+    def unchanged(self, *, gathered: bool) -> bool:
+        """The step's one identity pass: every parameter the modules hold is still ours (its sharded DTensor viewing
+        ``flat``, or while ``gathered`` its full parameter) and requires grad as when it was laid out."""
+        for mp in self.params:
+            held = mp.registered()
+            if gathered and held is mp.full and mp.full is not None:
+                if mp.full.requires_grad != mp.trainable:
+                    return False
+            elif held is not mp.sharded or mp.sharded._local_tensor is not mp.local:
+                return False
+            elif mp.sharded.requires_grad != mp.trainable:
                 return False
         return True
 

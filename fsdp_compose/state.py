@@ -335,13 +335,8 @@ class ShardState:
         another object, or the sharded parameter no longer views the unit's flat buffer), flip its
         ``requires_grad``, or attach FSDP2's all-gather hooks? One identity pass over the parameters at every step
         start; what a change means is ``adopt_changes`` and ``refresh_trainable``."""
-        params = self.params
-        gathered = params.state is not UnitState.SHARDED
-        return (
-            params.shards.defer_hookless
-            or not params.shards.views_intact(gathered=gathered)
-            or params.trainability_changed()
-        )
+        shards = self.params.shards
+        return shards.defer_hookless or not shards.unchanged(gathered=self.params.state is not UnitState.SHARDED)
 
     def adopt_changes(self) -> None:
         """Pick up parameters replaced or cast since the last gather (``UnitParams.adopt_if_changed``); a cast

@@ -1,7 +1,10 @@
-"""nox sessions: tests, lint, typecheck, docs, plan, bench, integration. Each installs what it needs in its venv."""
+"""nox sessions: tests, lint, typecheck, docs, plan, bench, integration, tests_torch. Each installs what it needs in
+its venv. ``tests_torch`` runs the suite on the oldest torch release fsdp_compose supports and on the newest one the
+package index offers (``nox -s "tests_torch(floor)"`` / ``"tests_torch(newest)"``)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -9,6 +12,11 @@ import nox
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
 TORCH = "torch==2.13.0"
+# The floor release (tests_torch): fsdp_compose/compat.py's MIN_TORCH, read as text (importing it needs torch).
+_COMPAT = (Path(__file__).parent / "fsdp_compose" / "compat.py").read_text()
+_MIN_TORCH = re.search(r"^MIN_TORCH = \((\d+), (\d+)\)$", _COMPAT, re.M)
+assert _MIN_TORCH is not None, "fsdp_compose/compat.py: no line MIN_TORCH = (major, minor)"
+TORCH_FLOOR = ".".join(_MIN_TORCH.groups())
 # The five configurations of the README's benchmark table (docs/benchmarks.md, section "bench").
 BENCH_CONFIGS = ["fp32", "bf16", "frozen", "frozen_replicate", "no_reshard"]
 
@@ -17,6 +25,17 @@ BENCH_CONFIGS = ["fp32", "bf16", "frozen", "frozen_replicate", "no_reshard"]
 def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("torch", [nox.param(f"torch=={TORCH_FLOOR}.*", id="floor"), nox.param("torch", id="newest")])
+def tests_torch(session: nox.Session, torch: str) -> None:
+    """The suite on the floor release (compat.MIN_TORCH, its newest patch) and on the newest torch the package index
+    offers (PyPI's linux wheels are CUDA builds; they run on CPU). Not in the default sessions: a torch each."""
+    session.install("--upgrade", torch)
+    session.install("-e", ".[test]")
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     session.run("pytest", *session.posargs)
 
 

@@ -206,7 +206,7 @@ class UnitStepRecord:
 
     def forget_forward(self) -> None:
         self.active = 0  # calls of this unit's modules inside their forward right now
-        self.entered = False  # gathered for forward in this root forward (or entered: see step.reset_current_step)
+        self.entered = False  # gathered for forward in this root forward (or entered: see StepContext.reset)
         self.opened = False  # gathered for forward; closes when every module ran (or at the root's end of forward)
         self.opening_needs_backward = False  # some call of the current opening returned outputs that need grad
         self.pending_modules: set[int] = set()  # list form: modules not yet run in the current opening

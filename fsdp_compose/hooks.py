@@ -104,13 +104,9 @@ def pre_forward(
                 walk.gather_for_backward(state)
             else:
                 state.gather_now()  # no step yet, or a backward that began under another root (nested roots)
-            # As the original call computed: a full-precision eval forward since (between this forward and its
-            # backward) must not leave its precision to the recompute, whose outputs would then differ in dtype.
-            record.full_precision_now = state.full_precision_in_eval and not module.training
+            reentrant = state.enter_recompute(module)
             args, kwargs = cast_inputs(state, module, args, kwargs, state.compute_dtype(module))
-            if record.recomputes_due and torch.is_grad_enabled():
-                # A reentrant checkpoint's recompute: its own backward follows, which ends this call's backward.
-                record.recomputes_due -= 1
+            if reentrant:
                 args, kwargs = _wrap_inputs(state, args, kwargs, ForwardCall(), per_input=False)
             return args, kwargs
         if state.root is None:
@@ -123,10 +119,8 @@ def pre_forward(
             state.open_for_forward(module, compute_dtype)
             if step is not None:
                 step.prefetch_forward(state)
-        record.pending_modules.discard(id(module))
-        record.active += 1
         entry = ForwardCall(step.next_call_number() if step is not None else 0)
-        record.calls.setdefault(id(module), []).append(entry)
+        state.enter_call(module, entry)
         args, kwargs = cast_inputs(state, module, args, kwargs, compute_dtype)
         if torch.is_grad_enabled():
             args, kwargs = _wrap_inputs(state, args, kwargs, entry)
@@ -144,13 +138,11 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
             return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
         record = state.record
         step = _step_of(state) if state.root is state else None
-        calls = record.calls.get(id(module))
-        if not calls or record.active == 0:
+        entry = state.leave_call(module)
+        if entry is None:
             if step is not None and output is None and record.active == 0:
                 step.end_forward(raised=True)  # the root's forward raised before any unit call ended
             return output  # its pre-forward did not run (e.g. it raised before)
-        entry = calls.pop()
-        record.active -= 1
         grad_enabled = torch.is_grad_enabled()
         if torch._C._are_functorch_transforms_active():
             # Inside torch.func.jvp / vmap / grad an autograd Function without setup_context raises, also on plain
@@ -162,12 +154,10 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
             replacement = {id(tensor): _PreBackward.apply(state, tensor) for tensor in needing}
             entry.pre += [weakref.ref(hooked.grad_fn) for hooked in replacement.values()]
             output = map_tensors(lambda t: replacement.get(id(t), t), output)
-            record.entries.append(entry)
-            record.opening_needs_backward = True
+            state.expect_backward(entry)
         elif entry.inputs is not None and not (grad_enabled and tensors_in(output)):
             record.entries.append(entry)  # recomputed in backward (reentrant checkpoint): resharded until then
-        if record.active == 0 and not record.pending_modules:
-            state.close_opening()
+        state.close_if_done()
         if step is not None and record.active == 0:
             step.end_forward(raised=output is None)
         return output
@@ -321,10 +311,8 @@ def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entr
         entry.always = True
         for tensor in plain:
             tensor.register_hook(lambda grad: pre_backward(state))
-        record.entries.append(entry)
-        record.opening_needs_backward = True
-    if record.active == 0 and not record.pending_modules:
-        state.close_opening()
+        state.expect_backward(entry)
+    state.close_if_done()
     step = _step_of(state)
     if step is not None and state.root is state and record.active == 0:
         step.end_forward()

@@ -413,6 +413,43 @@ class ShardState:
         record.opening_needs_backward = False
         record.pending_modules = set(map(id, self.modules))
 
+    def enter_call(self, module: nn.Module, entry: ForwardCall) -> None:
+        """A call of ``module`` began (the unit is open for it): count it and keep its entry until its post-forward."""
+        record = self.record
+        record.pending_modules.discard(id(module))
+        record.active += 1
+        record.calls.setdefault(id(module), []).append(entry)
+
+    def leave_call(self, module: nn.Module) -> ForwardCall | None:
+        """The post-forward of a call of ``module``: its entry (None where its pre-forward did not run)."""
+        record = self.record
+        calls = record.calls.get(id(module))
+        if not calls or record.active == 0:
+            return None
+        record.active -= 1
+        return calls.pop()
+
+    def expect_backward(self, entry: ForwardCall) -> None:
+        """The call's outputs need grad: a backward will use the unit for it."""
+        self.record.entries.append(entry)
+        self.record.opening_needs_backward = True
+
+    def close_if_done(self) -> None:
+        """No call of the unit is running and every module of its opening ran: it closes."""
+        if self.record.active == 0 and not self.record.pending_modules:
+            self.close_opening()
+
+    def enter_recompute(self, module: nn.Module) -> bool:
+        """A forward inside a backward (an activation checkpoint's recompute) computes as the original call did: a
+        full-precision eval forward since must not leave its precision to it, whose outputs would then differ in
+        dtype. Returns whether it is a reentrant checkpoint's recompute, whose own backward ends the call's."""
+        record = self.record
+        record.full_precision_now = self.full_precision_in_eval and not module.training
+        if record.recomputes_due and torch.is_grad_enabled():
+            record.recomputes_due -= 1
+            return True
+        return False
+
     def close_opening(self) -> None:
         """The unit's current opening for forward ends (every module of it ran, or the root's forward ended): reshard
         per ``reshard_after_forward``, and always when no output of it needs grad."""

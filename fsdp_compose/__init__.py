@@ -8,6 +8,7 @@ from .compat import check_torch_version
 
 check_torch_version()  # before anything that needs the newer torch APIs
 
+from .agreement import StepAbandoned  # noqa: E402
 from .api import (  # noqa: E402
     UnshardHandle,
     get_state,
@@ -46,7 +47,6 @@ from .init import fully_shard  # noqa: E402
 from .integrations.fsdp2 import FSDP2_METHOD_NAMES, bind_fsdp2_methods, has_fsdp2_methods, share_comm_ctx  # noqa: E402
 from .integrations.ports import ported  # noqa: E402
 from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
-from .program import StepAbandoned  # noqa: E402
 from .recorder import CollectiveRecord, CollectiveRecorder  # noqa: E402
 from .state_dict import full_state_dict, load_full_state_dict  # noqa: E402
 

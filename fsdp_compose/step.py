@@ -33,25 +33,21 @@ from torch.autograd import Variable
 from torch.autograd.graph import Node
 from torch.utils._pytree import tree_map
 
+from .agreement import (
+    Agreement,
+    PendingAgreement,
+    StepAbandoned,
+    agreement_group,
+    decide_flag_columns,
+    held_layouts,
+    issue_agreement,
+    start_agreement,
+)
 from .backward import BackwardWalk
 from .checks import check_ranks_agree
 from .collectives import labelled, side_stream, wait_for_compute
 from .grads import GradState
-from .program import (
-    Agreement,
-    PendingAgreement,
-    Program,
-    StepAbandoned,
-    StepSchedule,
-    agreement_group,
-    backward_program,
-    decide_flag_columns,
-    held_layouts,
-    issue_agreement,
-    participant_orders,
-    start_agreement,
-    unit_names,
-)
+from .program import Program, StepSchedule, backward_program, participant_orders, unit_names
 from .state import StepPhase
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_compose as fc
-from fsdp_compose.program import StepAbandoned
+from fsdp_compose.agreement import StepAbandoned
 from tests.dist_utils import local_batch, max_param_diff, mesh_1d
 
 Record = dict[str, list[tuple[str, int]]]

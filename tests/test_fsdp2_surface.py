@@ -477,6 +477,6 @@ def test_replicate_only_dp_mesh_dims_issues_torchs_collectives(run_dist) -> None
     # (numbers and placements against torch: test_fsdp2_compat.py::test_dp_mesh_dims_matches_torchs_fully_shard)
     for ours, theirs in run_dist(2, _replicate_only_collectives):
         # one all-reduce per unit, nothing gathered or scattered; fsdp_compose adds its agreement (which units the
-        # backward runs: program.start_agreement) and its closing word (did a rank abandon it) per backward
+        # backward runs: agreement.start_agreement) and its closing word (did a rank abandon it) per backward
         assert theirs == {"c10d.allreduce_": 3}
         assert ours == {"c10d.allreduce_": 3 + 2}

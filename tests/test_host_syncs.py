@@ -232,7 +232,7 @@ def test_inputs_move_with_a_blocking_copy(run_dist) -> None:
 def _order_of_backward(rank: int, ws: int, case: str) -> dict[str, Any]:
     """The backward's collectives and the host's wait for the agreement, in the order they happen; and the
     parameters after two SGD steps against the reference."""
-    import fsdp_compose.program as schedule_module
+    import fsdp_compose.agreement as schedule_module
 
     cfg = GPTConfig(n_layers=3)
     reference, model = reference_and_copy(cfg)

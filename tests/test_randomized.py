@@ -47,7 +47,7 @@ from hypothesis import strategies as st
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 import fsdp_compose as fc
-from fsdp_compose.program import StepAbandoned
+from fsdp_compose.agreement import StepAbandoned
 from tests import random_models as rm
 from tests.random_models import (
     SEQ,

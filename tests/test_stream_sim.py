@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+import fsdp_compose.agreement as schedule_module
 import fsdp_compose.delivery as delivery_module
 import fsdp_compose.grads as grads_module
-import fsdp_compose.program as schedule_module
 import fsdp_compose.step as step_module
 import fsdp_compose.unit as unit_module
 from examples.gpt_model import GPTConfig

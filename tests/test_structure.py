@@ -22,6 +22,7 @@ STEP_PATH = [
     "unit",
     "state",
     "program",
+    "agreement",
     "backward",
     "checks",
     "step",

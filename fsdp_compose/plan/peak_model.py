@@ -349,7 +349,7 @@ def _backward(s: _Schedule, m: _Gpt, walk: _Walk, blocks: Mapping[int, str], roo
     s.add(TEMP, n * v)  # grad of the logits
     s.free(TEMP, n * v)
     s.free(ACT, n * v)  # and the saved log-probabilities
-    # The backward's agreement (program.start_agreement): int64s, in flight until the end of backward.
+    # The backward's agreement (agreement.start_agreement): int64s, in flight until the end of backward.
     s.add(TEMP, agreement)
     walk.enter_backward(root)  # the root's outputs are the loss's inputs: its pre-backward comes first
     s.add(GRAD, v * d)  # head weight

@@ -16,7 +16,7 @@ adaptations, both here:
   to avoid freeing a parameter kept whole; it would then never free the first parameter of each unit).
   :class:`StorageIdentity` gives fake tensors data pointers that tell storages apart;
 - a fake tensor has no data to read back, and a step reads back one tensor: the backward's agreement, a row made from
-  Python numbers and all-reduced with MAX (``program.start_agreement``). Every simulated rank is the rank simulated,
+  Python numbers and all-reduced with MAX (``agreement.start_agreement``). Every simulated rank is the rank simulated,
   so MAX returns the row this rank made. :class:`SimulatedTensorMode` keeps what such a tensor was made from, and
   :class:`StorageIdentity` answers ``tolist()`` with it.
 

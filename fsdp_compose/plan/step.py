@@ -26,9 +26,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 import fsdp_compose as fc
+from fsdp_compose.agreement import agreement_group
 from fsdp_compose.description import step_schedule
 from fsdp_compose.meshes import REDUCE_SCATTER_GROUP_DESC, DataParallelMesh
-from fsdp_compose.program import agreement_group
 from fsdp_compose.recorder import CollectiveRecord, CollectiveRecorder
 from fsdp_compose.state import states_under
 

@@ -2,10 +2,11 @@
 
 ``fully_shard`` attaches one ``ShardState`` to the module instance (an attribute; no class swap, no registry): the
 modules, the unit (its parameters, unit.py, and its gradients, grads.py), the settings the ``fc.set_*`` functions
-change. What one step did with the unit so far lives apart, in its ``UnitStepRecord``, written only by the step
-(hooks.py for the forward's calls, step.py at the step's boundaries, backward.py's walk): the settings outlive steps,
-the record is forgotten by each new one. A ``ForwardCall`` is the record of one forward call: which autograd nodes
-its backward runs.
+change. What one step did with the unit so far lives apart, in its ``UnitStepRecord``: the unit's own part of each
+step (``begin_step``, ``open_for_forward``, the calls, ``close_opening``, ``end_backward``) is written by the methods
+here, which the hooks and the step call; what one backward knows of it is set when the walk is built (step.py) and
+moved on by the walk (backward.py). The settings outlive steps, the record is forgotten by each new one. A
+``ForwardCall`` is the record of one forward call: which autograd nodes its backward runs.
 
 This module is below the step: the hooks (hooks.py) make the root's ``step.StepContext`` at lazy init; a state knows
 it as a ``StepOwner`` only, for the two things the layers below ask it (the backward's walk, which takes a full
@@ -182,8 +183,8 @@ class ForwardCall:
 
 
 class UnitStepRecord:
-    """What the root's step did with one unit so far. Written by the step only: hooks.py counts the forward's calls
-    and notes their graphs, step.py forgets and keeps at the step's boundaries, backward.py's walk closes the unit.
+    """What the root's step did with one unit so far: its forward's calls and graphs and its openings (written by
+    ``ShardState``'s methods), and this backward's facts (set by ``StepContext._build_walk``, moved on by the walk).
 
     A step spans a forward and the backward(s) of its calls: a forward while a backward is pending keeps the
     pending ``entries`` and forgets only the forward's counts (``forget_forward``). Forgotten in place, never replaced:

@@ -112,11 +112,11 @@ class BackwardWalk:
                 record.held_prefetch, record.held_until_freed = targets, None
             else:
                 # Midway: once half the bytes of its full parameters that backward may free early are freed.
-                gather = passed.params
+                params = passed.params
                 half = 0
-                if passed.reshard_after_forward and gather.state is UnitState.UNSHARDED:
+                if passed.reshard_after_forward and params.state is UnitState.UNSHARDED:
                     if self._frees_early(passed, nested=False):
-                        half = gather.fulls.early_freeable_bytes(passed.grads.trainable) // 2
+                        half = params.fulls.early_freeable_bytes(passed.grads.trainable) // 2
                 if half > 0:
                     record.held_prefetch, record.held_until_freed = targets, half
                 else:
@@ -156,10 +156,10 @@ class BackwardWalk:
             if grads.input.buffer is None:
                 self.make_room()
             grads.capture(mp)
-        gather = state.params
-        if gather.state is not UnitState.UNSHARDED or not self._frees_early(state):
+        params = state.params
+        if params.state is not UnitState.UNSHARDED or not self._frees_early(state):
             return
-        freed = gather.fulls.free_early(mp)
+        freed = params.fulls.free_early(mp)
         if not freed:
             return
         record = state.record
@@ -220,9 +220,9 @@ class BackwardWalk:
             # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
             # then it never meets this unit's reduce-scatter input and output (issued next); where it may not wait,
             # or the all-gather has not arrived, at its pre-backward.
-            gather = prefetched.params
-            if gather.state is UnitState.GATHERING and prefetched.record.reached_here:
-                if gather.arrived() or may_wait:
+            params = prefetched.params
+            if params.state is UnitState.GATHERING and prefetched.record.reached_here:
+                if params.arrived() or may_wait:
                     prefetched.gather_now()
         record.opened = False
         grads = state.grads

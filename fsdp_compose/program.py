@@ -266,8 +266,8 @@ def gathers_in_backward(state: ShardState, *, live: bool, is_root: bool = False)
         return False
     if not live:
         return reshards_after_forward(state.reshard_after_forward_setting, is_root=is_root)
-    gather = state.params
-    return gather.needs_gather or gather.compute_dtype != state.compute_dtype(state.modules[0])
+    params = state.params
+    return params.needs_gather or params.compute_dtype != state.compute_dtype(state.modules[0])
 
 
 def _gather(state: ShardState, name: str, phase: str, *, post_forward: bool) -> Operation:
@@ -351,8 +351,8 @@ def backward_program(
                 continue
             reached.add(id(target))
             if gathers_in_backward(target, live=live, is_root=target is schedule.root):
-                gather = target.params
-                grouped = gather.state is UnitState.GROUP_SHARDED if live else gather.post_forward is not None
+                params = target.params
+                grouped = params.state is UnitState.GROUP_SHARDED if live else params.post_forward is not None
                 program.add(_gather(target, names[id(target)], "backward", post_forward=grouped))
     for state in reduce_order:
         for operation in reductions(state, names[id(state)], flagged=False if flags is None else flags[id(state)]):

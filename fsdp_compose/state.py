@@ -312,20 +312,20 @@ class ShardState:
         ``dtype``: the compute dtype of the module being entered (default: the unit's first module's)."""
         if dtype is None:
             dtype = self.compute_dtype(self.modules[0])
-        gather = self.params
-        if gather.state is not UnitState.SHARDED and gather.compute_dtype != dtype:
-            gather.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
-        changed = gather.state is UnitState.SHARDED and self.params_changed()
+        params = self.params
+        if params.state is not UnitState.SHARDED and params.compute_dtype != dtype:
+            params.reshard()  # e.g. prefetched in fp32 by an eval forward: its backward needs the bf16 tensors
+        changed = params.state is UnitState.SHARDED and self.params_changed()
         if changed:
             self.adopt_changes()  # changed since the step began: a gather outside the root's forward
-        if gather.needs_gather:
+        if params.needs_gather:
             # on the root's side stream for all-gather copy-in (None on a CPU device or before lazy init), which
             # waited for the compute stream at the step's start; again where the shards may have been written since
             ctx = self.ctx
             stream = None if ctx is None else ctx.gather_stream
             if stream is not None and ctx is not None and (changed or ctx.phase is StepPhase.IDLE):
-                wait_for_compute(stream, self.params.device)
-            gather.start(dtype, async_op=async_op, stream=stream)
+                wait_for_compute(stream, params.device)
+            params.start(dtype, async_op=async_op, stream=stream)
 
     def gather_now(self) -> None:
         self.start_gather(async_op=False)

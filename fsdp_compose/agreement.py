@@ -178,6 +178,8 @@ def start_agreement(
     fingerprint = schedule.fingerprint() if checks else 0
     # [mask..., abandoning ranks..., fingerprint, -fingerprint, trained, -trained]: one MAX gives the union, the set
     # of ranks that abandon, and whether every fingerprint (and signature) was equal (max == -max(-x) only then).
+    # The compiled program sizes this row with program.agreement_row_size: change both together (test_program
+    # compares every issued collective's size with the program's).
     flags = [0] * world
     if abandoning:
         flags[dist.get_rank()] = 1

@@ -14,11 +14,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .hooks import post_forward, pre_forward
+from .hooks import hook_gradients, outside_step, post_forward, pre_forward
 from .meshes import post_forward_group_for, reshard_after_forward_setting
 from .policies import PREFETCH_POINTS, PrefetchPoint
 from .state import STATE_ATTR, GradientAccumulation, ShardState, states_under
-from .step import StepContext
 
 __all__ = [
     "UnshardHandle",
@@ -98,6 +97,7 @@ class UnshardHandle:
 
     def wait(self) -> None:
         self._state.params.finish()
+        hook_gradients(self._state)
 
 
 def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | None:
@@ -108,7 +108,8 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
     """
     _check_bool(async_op, "async_op", "unshard")
     state = _require_state(module, "unshard")
-    state.start_gather(async_op=async_op)  # picks up parameters replaced since the last step first
+    # picks up parameters replaced since the last step first
+    state.start_gather(async_op=async_op, after_writes=outside_step(state.step))
     state.params.explicit = True
     handle = UnshardHandle(state)
     if async_op:
@@ -155,8 +156,8 @@ def reset_step(module: nn.Module) -> None:
     """
     state = _require_state(module, "reset_step")
     root = state.root
-    step = root.ctx if root is not None else None
-    if isinstance(step, StepContext):
+    step = root.step if root is not None else None
+    if step is not None:
         step.reset()  # the step belongs to the root: reset all of it, whichever of its modules was passed
         return
     for sub in states_under(module):  # never ran a forward: nothing but held state to drop

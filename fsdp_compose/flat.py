@@ -68,10 +68,9 @@ class ManagedParam:
     full: nn.Parameter | None = None  # the unsharded parameter used by forward/backward
     full_data: torch.Tensor | None = None  # ``full.data``: writes through it do not bump ``full``'s version
     gathered_version: int = field(default=-1)  # sharded._version when ``full`` was last filled
-    full_hooked: bool = False  # ``full`` carries the post-accumulate-grad hook that moves its gradients
-    # A kept-whole parameter's full tensors of other compute dtypes (dtype -> full, full_data, hooked): an eval
+    # A kept-whole parameter's full tensors of other compute dtypes (dtype -> full, full_data): an eval
     # forward in full precision between a bf16 forward and its backward must not replace the tensor autograd saved.
-    other_fulls: dict[torch.dtype, tuple[nn.Parameter, torch.Tensor | None, bool]] = field(default_factory=dict)
+    other_fulls: dict[torch.dtype, tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=dict)
     group: int | None = None  # index into ``FlatShard.groups`` of a plain sharded parameter
     subclass: SubclassShard | None = None  # a parameter using FSDP2's all-gather hooks (subclass_params.py)
 
@@ -79,10 +78,10 @@ class ManagedParam:
         """Keep the current full tensor (autograd may hold it) under its dtype and take the one of ``dtype``, or none
         yet (a kept-whole parameter's; a sharded slot's live in its dtype's ``FullBuffer``)."""
         if self.full is not None and self.full.dtype != dtype:
-            self.other_fulls[self.full.dtype] = (self.full, self.full_data, self.full_hooked)
+            self.other_fulls[self.full.dtype] = (self.full, self.full_data)
             cached = self.other_fulls.pop(dtype, None)
             if cached is not None:
-                self.full, self.full_data, self.full_hooked = cached
+                self.full, self.full_data = cached
             else:
                 self.full = None
 

@@ -24,9 +24,7 @@ Issuing and waiting for the all-gather, and the states around it, are unit.py.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -36,33 +34,7 @@ from .offload import UnitDevices
 from .sharding import FlatLayout, copy_param_from_segments
 from .transitions import internal_error
 
-__all__ = ["FullBuffer", "FullParams", "GatherPlan", "GradientHooks", "allocate_storage", "gather_dtype"]
-
-
-class GradientHooks(Protocol):
-    """Who a full parameter's post-accumulate-grad hook calls: the unit's ``state.ShardState``, as its module hooks
-    do. It hands the gradient to the root's step (which may free the full parameter at once, ``free_early``) or,
-    outside a step, to the unit's gradients."""
-
-    def gradient_made(self, mp: ManagedParam) -> None: ...
-
-
-class _CaptureGrad:
-    """Post-accumulate-grad hook of a full parameter: tells the unit's state at once (``GradientHooks``).
-
-    It holds the state and the parameter record weakly: autograd keeps a tensor's hooks alive from C++, so a strong
-    reference back to the unit would form a cycle the garbage collector cannot see, and a deleted model (with its
-    buffers and process groups) would never be freed.
-    """
-
-    def __init__(self, hooks: weakref.ref[GradientHooks], mp: ManagedParam) -> None:
-        self.hooks = hooks
-        self.mp = weakref.ref(mp)
-
-    def __call__(self, param: torch.Tensor) -> None:
-        hooks, mp = self.hooks(), self.mp()
-        if hooks is not None and mp is not None:
-            hooks.gradient_made(mp)
+__all__ = ["FullBuffer", "FullParams", "GatherPlan", "allocate_storage", "gather_dtype"]
 
 
 class FullParams:
@@ -80,8 +52,6 @@ class FullParams:
         self.device = devices.compute
         self.world_size = world_size
         self.policy_param_dtype = policy_param_dtype  # None: the parameters' own dtype
-        # The unit's state, set when it is made (``ShardState.__init__``): its gradient hooks call it.
-        self.hooks: weakref.ref[GradientHooks] | None = None
         # Per (dtype group, compute dtype), its sharded slots' full parameters (kept, storage freed when sharded)
         self._fulls: dict[tuple[int, torch.dtype], FullBuffer] = {}
 
@@ -134,8 +104,6 @@ class FullParams:
             unsharded = mp.subclass.unshard(mp.sharded._local_tensor, own, mp.trainable)
             if mp.full is not unsharded:
                 mp.full = mp.full_data = unsharded
-                mp.full_hooked = False
-                self.hook(mp)
 
     def register(self, dtype: torch.dtype) -> None:
         """After the copy-out: fill the kept-whole parameters, then register every full parameter on its modules."""
@@ -146,7 +114,6 @@ class FullParams:
                     self.devices.copy_to_compute(full_data, mp.sharded._local_tensor)
             elif mp.full is not None and mp.full.requires_grad != mp.trainable:
                 mp.full.requires_grad_(mp.trainable)
-                self.hook(mp)
             mp.gathered_version = mp.sharded._version
             full = mp.full
             if full is None:
@@ -168,16 +135,14 @@ class FullParams:
                 continue
             current = None if fresh else mp.full
             if current is not None and current.dtype != dtype:  # keep it with its buffer (autograd may hold it)
-                self._fulls[(group, current.dtype)].params[id(mp)] = (current, mp.full_data, mp.full_hooked)
+                self._fulls[(group, current.dtype)].params[id(mp)] = (current, mp.full_data)
                 current = None
             cached = full.params.get(id(mp))
             if current is None and cached is not None and mp.full is not None:
-                mp.full, mp.full_data, mp.full_hooked = cached
+                mp.full, mp.full_data = cached
             elif current is None:
                 mp.full, mp.full_data = make_full_param(full.param_view(mp.slot), mp.placing, mp.trainable)
-                mp.full_hooked = False
-                self.hook(mp)
-                full.params[id(mp)] = (mp.full, mp.full_data, mp.full_hooked)
+                full.params[id(mp)] = (mp.full, mp.full_data)
                 full.note_own_references(mp.slot)
         for data in full.slots:
             allocate_storage(data)
@@ -192,11 +157,8 @@ class FullParams:
             else:
                 local = torch.empty(mp.placing.local_shape, dtype=dtype, device=self.device)
             mp.full, mp.full_data = make_full_param(local, mp.placing, mp.trainable)
-            mp.full_hooked = False
-            self.hook(mp)
         elif mp.full.requires_grad != mp.trainable:
             mp.full.requires_grad_(mp.trainable)
-            self.hook(mp)
         if mp.full_data is None:
             raise internal_error(f"parameter {mp.fqn}", "mp.full_data is missing")
         allocate_storage(mp.full_data)
@@ -227,6 +189,18 @@ class FullParams:
         for mp in self.shards.params:
             if mp.subclass is not None:
                 mp.subclass.free()
+
+    def discard(self) -> None:
+        """After an exception inside a gather or a free: the sharded parameters on the modules again and every full
+        parameter forgotten, so the next gather makes new ones (the old ones' storage may be what failed: one a
+        reader made non-resizable, an inference tensor)."""
+        for mp in self.shards.params:
+            mp.register(mp.sharded)
+            mp.full = mp.full_data = None
+            mp.other_fulls.clear()
+            if mp.subclass is not None:
+                mp.subclass.free()
+        self._fulls.clear()
 
     def early_freeable_bytes(self, trainable: list[ManagedParam]) -> int:
         """The storage bytes of ``trainable``'s full parameters that ``free_early`` could free."""
@@ -269,16 +243,6 @@ class FullParams:
         storage.resize_(0)
         return int(freed)
 
-    # ------------------------------------------------------------------ their gradients
-    def hook(self, mp: ManagedParam) -> None:
-        """Once per full parameter that requires grad: hand each gradient to the unit's ``grads.capture`` as it is
-        made."""
-        if mp.full is not None and mp.full.requires_grad and not mp.full_hooked:
-            if self.hooks is None:
-                raise internal_error(f"parameter {mp.fqn}", "its unit has no state to call")
-            mp.full.register_post_accumulate_grad_hook(_CaptureGrad(self.hooks, mp))
-            mp.full_hooked = True
-
 
 _FLOAT8 = frozenset(
     getattr(torch, name)
@@ -317,7 +281,7 @@ class FullBuffer:
     outs: list[torch.Tensor]
     relaid: set[int]  # slots sharded on a dim k > 0: their full parameter follows the padded columns
     # id(ManagedParam) -> (full parameter, its .data, hooked) in this dtype: set again when this dtype is gathered
-    params: dict[int, tuple[nn.Parameter, torch.Tensor | None, bool]] = field(default_factory=dict)
+    params: dict[int, tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=dict)
     # slot -> how many tensors of this library's own view its storage (once its full parameter exists): more at
     # ``FullParams.free_early`` means someone else still views it
     own_references: dict[int, int] = field(default_factory=dict)

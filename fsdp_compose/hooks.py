@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .collectives import labelled
 from .state import ForwardCall, ShardState, states_under
-from .step import StepContext
+from .step import StepContext, StepPhase
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
@@ -57,7 +57,9 @@ __all__ = [
     "cast_outputs",
     "check_backward_reads_none_of",
     "compiled_autograd_error",
+    "hook_gradients",
     "lazy_init",
+    "outside_step",
     "post_forward",
     "pre_forward",
     "register_hooks",
@@ -95,7 +97,7 @@ def pre_forward(
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     with labelled(f"fsdp_compose::pre_forward[{state.params.owner_name}]"):
         record = state.record
-        step = _step_of(state)
+        step = state.step
         if torch._C._current_graph_task_id() != -1:
             # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
             # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
@@ -103,7 +105,9 @@ def pre_forward(
             if walk is not None:
                 walk.gather_for_backward(state)
             else:
-                state.gather_now()  # no step yet, or a backward that began under another root (nested roots)
+                # no step yet, or a backward that began under another root (nested roots)
+                state.gather_now(after_writes=outside_step(step))
+            hook_gradients(state)
             reentrant = state.enter_recompute(module)
             args, kwargs = cast_inputs(state, module, args, kwargs, state.compute_dtype(module))
             if reentrant:
@@ -116,7 +120,8 @@ def pre_forward(
         compute_dtype = state.compute_dtype(module)
         if not record.opened or id(module) not in record.pending_modules:
             # first call of this unit since it closed, or a module run again
-            state.open_for_forward(module, compute_dtype)
+            state.open_for_forward(module, compute_dtype, after_writes=outside_step(step))
+            hook_gradients(state)
             if step is not None:
                 step.prefetch_forward(state)
         entry = ForwardCall(step.next_call_number() if step is not None else 0)
@@ -137,7 +142,7 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
         if torch._C._current_graph_task_id() != -1:
             return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
         record = state.record
-        step = _step_of(state) if state.root is state else None
+        step = state.step if state.root is state else None
         entry = state.leave_call(module)
         if entry is None:
             if step is not None and output is None and record.active == 0:
@@ -170,33 +175,68 @@ def pre_backward(state: ShardState, node: object = None) -> None:
         compiled_autograd = torch._dynamo.compiled_autograd
         if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
             raise compiled_autograd_error(state.params.owner_name)  # before the unit issues any collective of it
-        step = _step_of(state)
-        if step is None:
-            state.gather_now()
-            return
-        if not state.unshard_in_backward:
+        step = state.step
+        if step is not None and not state.unshard_in_backward:
             check_backward_reads_none_of(state.params.owner_name, node, state.params.shards.params)
-        step.begin_backward(node)
-        if step.backward is not None:
+        if step is not None:
+            step.begin_backward(node)
+        if step is not None and step.backward is not None:
             step.backward.gather_for_backward(state)
         else:
-            state.gather_now()
+            state.gather_now(after_writes=outside_step(step))
+        hook_gradients(state)
 
 
 @_outside_compile
 def post_backward(state: ShardState) -> None:
     """One call's backward is done; the backward's walk finishes the unit once every call it runs here is."""
-    step = _step_of(state)
+    step = state.step
     walk = step.backward if step is not None else None
     if walk is not None:
         with labelled(f"fsdp_compose::post_backward[{state.params.owner_name}]"):
             walk.call_backward_done(state)
 
 
-def _step_of(state: ShardState) -> StepContext | None:
-    """The root's step ``state`` belongs to (None before lazy init): ``state.ctx`` is typed as what the layers below
-    the step may read (``state.StepOwner``); the hooks, above the step, drive all of it."""
-    return state.ctx if isinstance(state.ctx, StepContext) else None
+def outside_step(step: StepContext | None) -> bool:
+    """Is a gather now outside the root's forward and backward (``ShardState.start_gather``'s ``after_writes``)?"""
+    return step is None or step.phase is StepPhase.IDLE
+
+
+# ---------------------------------------------------------------------- the gradients
+_GRADIENT_HOOK = "_fsdp_compose_gradient_hook"  # attribute of a full parameter: the handle of its hook below
+
+
+class _GradientMade:
+    """Post-accumulate-grad hook of a full parameter: hands each gradient to the running backward's walk (which may
+    free the parameter at once) or, outside a backward of the root's step, to the unit's gradients.
+
+    It holds the state and the parameter record weakly: autograd keeps a tensor's hooks alive from C++, so a strong
+    reference back to the unit would form a cycle the garbage collector cannot see, and a deleted model (with its
+    buffers and process groups) would never be freed.
+    """
+
+    def __init__(self, state: ShardState, mp: ManagedParam) -> None:
+        self.state = weakref.ref(state)
+        self.mp = weakref.ref(mp)
+
+    def __call__(self, param: torch.Tensor) -> None:
+        state, mp = self.state(), self.mp()
+        if state is None or mp is None:
+            return
+        walk = state.step.backward if state.step is not None else None
+        if walk is not None:
+            walk.gradient_made(state, mp)
+        else:
+            state.grads.capture(mp)
+
+
+def hook_gradients(state: ShardState) -> None:
+    """Once the unit is gathered for compute: every full parameter that trains carries ``_GradientMade`` (a new
+    tensor, or one whose ``requires_grad`` was switched on) before autograd can accumulate into it."""
+    for mp in state.params.shards.params:
+        full = mp.full
+        if full is not None and full.requires_grad and not hasattr(full, _GRADIENT_HOOK):
+            setattr(full, _GRADIENT_HOOK, full.register_post_accumulate_grad_hook(_GradientMade(state, mp)))
 
 
 def lazy_init(root: ShardState) -> StepContext:
@@ -213,10 +253,11 @@ def lazy_init(root: ShardState) -> StepContext:
         state.params.shards.check_materialized()
     for state in states:
         state.root = root
-        state.ctx = None
+        state.step = None
     step = StepContext(root, states)
     for state in states:
-        state.ctx = step
+        state.step = step
+        state.gather_stream = step.gather_stream
     logger.debug("lazy init: root %s with %d units", root.params.owner_name, len(states))
     return step
 
@@ -313,7 +354,7 @@ def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entr
             tensor.register_hook(lambda grad: pre_backward(state))
         state.expect_backward(entry)
     state.close_if_done()
-    step = _step_of(state)
+    step = state.step
     if step is not None and state.root is state and record.active == 0:
         step.end_forward()
     return output

@@ -8,18 +8,17 @@ here, which the hooks and the step call; what one backward knows of it is set wh
 moved on by the walk (backward.py). The settings outlive steps, the record is forgotten by each new one. A
 ``ForwardCall`` is the record of one forward call: which autograd nodes its backward runs.
 
-This module is below the step: the hooks (hooks.py) make the root's ``step.StepContext`` at lazy init; a state knows
-it as a ``StepOwner`` only, for the two things the layers below ask it (the backward's walk, which takes a full
-parameter's gradient, and the all-gather side stream).
+This module is below the step: the hooks (hooks.py) make the root's ``step.StepContext`` at lazy init and keep it
+on every state (``ShardState.step``) for the hooks to find; nothing here calls it. What a gather needs of the step
+comes down as arguments (``start_gather``'s ``after_writes``) or is set at lazy init (``gather_stream``).
 """
 
 from __future__ import annotations
 
 import copy
-import enum
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn as nn
@@ -32,7 +31,7 @@ from .policies import MixedPrecisionPolicy, PrefetchPoint
 from .unit import UnitParams, UnitState
 
 if TYPE_CHECKING:
-    from .flat import ManagedParam
+    from .step import StepContext
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,6 @@ __all__ = [
     "ForwardCall",
     "GradientAccumulation",
     "ShardState",
-    "StepOwner",
     "UnitStepRecord",
     "reshards_after_forward",
     "states_under",
@@ -70,32 +68,6 @@ def states_under(module: nn.Module) -> list[ShardState]:
             seen.add(id(state))
             found.append(state)
     return found
-
-
-class BackwardOwner(Protocol):
-    """The running backward's walk (``backward.BackwardWalk``) as a state sees it: it takes a full parameter's
-    gradient (and may free the parameter at once)."""
-
-    def gradient_made(self, state: ShardState, mp: ManagedParam) -> None: ...
-
-
-class StepPhase(enum.Enum):
-    """Where the root's step is (``step.StepContext.phase``, written only by the step)."""
-
-    IDLE = "idle"
-    FORWARD = "forward"
-    AWAITING_BACKWARD = "awaiting_backward"  # a forward with outputs that need grad ended; no backward finished since
-    BACKWARD = "backward"
-
-
-class StepOwner(Protocol):
-    """The root's step (``step.StepContext``) as the layers below the step see it."""
-
-    @property
-    def backward(self) -> BackwardOwner | None: ...  # the walk of the backward running now
-
-    gather_stream: torch.Stream | None
-    phase: StepPhase
 
 
 class ForwardCall:
@@ -276,9 +248,10 @@ class ShardState:
         self.unshard_in_backward = True
         # Set at lazy init.
         self.root: ShardState | None = None
-        self.ctx: StepOwner | None = None  # the root's step, on every state under it
+        self.step: StepContext | None = None  # the root's step, on every state under it (read by the hooks only)
+        # The root's side stream for the all-gather copy-in (None on a CPU device)
+        self.gather_stream: torch.Stream | None = None
         self.record = UnitStepRecord()
-        params.fulls.hooks = weakref.ref(self)  # its full parameters' gradient hooks call gradient_made
 
     # ------------------------------------------------------------------ root and settings as they act
     @property
@@ -306,10 +279,12 @@ class ShardState:
             return own
         return self.mp_policy.param_dtype or own
 
-    def start_gather(self, *, async_op: bool, dtype: torch.dtype | None = None) -> None:
+    def start_gather(self, *, async_op: bool, dtype: torch.dtype | None = None, after_writes: bool = False) -> None:
         """Issue this unit's all-gather in its compute dtype if it needs one (or is gathered in another dtype).
 
-        ``dtype``: the compute dtype of the module being entered (default: the unit's first module's)."""
+        ``dtype``: the compute dtype of the module being entered (default: the unit's first module's);
+        ``after_writes``: outside the root's forward and backward, where the compute stream may have written the
+        shards since the step's start ordered the side stream after it."""
         if dtype is None:
             dtype = self.compute_dtype(self.modules[0])
         params = self.params
@@ -319,16 +294,15 @@ class ShardState:
         if changed:
             self.adopt_changes()  # changed since the step began: a gather outside the root's forward
         if params.needs_gather:
-            # on the root's side stream for all-gather copy-in (None on a CPU device or before lazy init), which
-            # waited for the compute stream at the step's start; again where the shards may have been written since
-            ctx = self.ctx
-            stream = None if ctx is None else ctx.gather_stream
-            if stream is not None and ctx is not None and (changed or ctx.phase is StepPhase.IDLE):
+            # On the side stream, which waited for the compute stream at the step's start: again where the shards
+            # may have been written since.
+            stream = self.gather_stream
+            if stream is not None and (changed or after_writes):
                 wait_for_compute(stream, params.device)
             params.start(dtype, async_op=async_op, stream=stream)
 
-    def gather_now(self) -> None:
-        self.start_gather(async_op=False)
+    def gather_now(self, *, after_writes: bool = False) -> None:
+        self.start_gather(async_op=False, after_writes=after_writes)
         self.params.finish()
 
     def params_changed(self) -> bool:
@@ -397,8 +371,9 @@ class ShardState:
             if self.auto_refresh_trainable and self.refresh_trainable():
                 logger.debug("trainability of %s changed: refreshed", self.params.owner_name)
 
-    def open_for_forward(self, module: nn.Module, compute_dtype: torch.dtype) -> None:
-        """Gather the unit for forward (a no-op when it is gathered already) for a call of ``module``."""
+    def open_for_forward(self, module: nn.Module, compute_dtype: torch.dtype, *, after_writes: bool) -> None:
+        """Gather the unit for forward (a no-op when it is gathered already) for a call of ``module``
+        (``after_writes``: see ``start_gather``)."""
         params, record = self.params, self.record
         record.full_precision_now = self.full_precision_in_eval and not module.training
         # Kept unsharded since an in-place update: gather again (start_gather does so for another precision too).
@@ -406,7 +381,7 @@ class ShardState:
             params.reshard()
         params.explicit = False  # an fc.unshard issued before this forward is consumed here
         record.kept_unsharded = False
-        self.start_gather(async_op=False, dtype=compute_dtype)
+        self.start_gather(async_op=False, dtype=compute_dtype, after_writes=after_writes)
         params.finish()
         self.grads.accumulating = not self.reduces_now  # after the gather: a cast adopted there rebuilt the grads
         self.grads.input.note_accumulators()
@@ -498,16 +473,6 @@ class ShardState:
         self.record.forget_step()
         self.record.kept_unsharded = False
 
-    # ------------------------------------------------------------------ gradients
-    def gradient_made(self, mp: ManagedParam) -> None:
-        """Post-accumulate-grad hook of one of the unit's full parameters: the backward's walk takes the gradient
-        (and may free the parameter at once); outside a backward of the root's step, the unit's gradients."""
-        walk = self.ctx.backward if self.ctx is not None else None
-        if walk is not None:
-            walk.gradient_made(self, mp)
-        else:
-            self.grads.capture(mp)
-
     def __repr__(self) -> str:
         modules = ", ".join(type(m).__name__ for m in self.modules)
         root = None if self.root is None else self.root is self  # None: decided at the first forward
@@ -520,13 +485,13 @@ class ShardState:
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)
         new.params = self.params.copy_for(memo)
-        new.params.fulls.hooks = weakref.ref(new)
         new.grads = UnitGradients(new.params.reduce_spec(), new.params.shards.params)
         new.grads.take_settings(self.grads)
         new.modules = tuple(copy.deepcopy(m, memo) for m in self.modules)
         new.forward_prefetch = copy.deepcopy(self.forward_prefetch, memo)
         new.backward_prefetch = copy.deepcopy(self.backward_prefetch, memo)
         new.root = None
-        new.ctx = None
+        new.step = None
+        new.gather_stream = None
         new.record = UnitStepRecord()
         return new

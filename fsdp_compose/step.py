@@ -1,6 +1,6 @@
 """One training step of one root: the owner of the step, walking the declared schedule (program.py).
 
-The root's ``ShardState`` owns a ``StepContext``; every state under the root points at it (``state.ctx``). One step,
+The root's ``ShardState`` owns a ``StepContext``; every state under the root points at it (``state.step``). One step,
 top to bottom (every collective named here is read from the schedule, never chosen by which hook fired first)::
 
     root pre-forward   begin_forward: finish what the last step left, check ranks agree (opt-in), refresh
@@ -24,6 +24,7 @@ agreed order, so ranks that stopped at different points meet at its end.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 from typing import TYPE_CHECKING, Any
@@ -48,7 +49,6 @@ from .checks import check_ranks_agree
 from .collectives import labelled, side_stream, wait_for_compute
 from .grads import GradState
 from .program import Program, StepSchedule, backward_program, participant_orders, unit_names
-from .state import StepPhase
 
 if TYPE_CHECKING:
     from .state import ForwardCall, ShardState
@@ -56,6 +56,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["StepContext", "StepPhase"]
+
+
+class StepPhase(enum.Enum):
+    """Where the root's step is (``StepContext.phase``, written only by the step)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    AWAITING_BACKWARD = "awaiting_backward"  # a forward with outputs that need grad ended; no backward finished since
+    BACKWARD = "backward"
 
 
 class StepContext:
@@ -143,7 +152,7 @@ class StepContext:
         implicit = [] if following is None else [following]
         for target in implicit if state.forward_prefetch is None else state.forward_prefetch:
             if not target.record.opened:
-                target.start_gather(async_op=True)
+                target.start_gather(async_op=True, after_writes=self.phase is StepPhase.IDLE)
 
     def end_forward(self, *, raised: bool = False) -> None:
         """The root's forward returned (or ``raised``): close units still open (a group only partly run, or run
@@ -393,7 +402,7 @@ class StepContext:
             # issue the forward all-gathers they issue after that point, in registration order.
             for state in self.states:
                 if not state.record.entered and state.params.needs_gather and not state.params.explicit:
-                    state.gather_now()
+                    state.gather_now(after_writes=self.phase is StepPhase.IDLE)
             self.forward_raised = False
         if self.backward is None:
             # Every rank calls reset_step at the same point, or this rank alone while the others run the backward

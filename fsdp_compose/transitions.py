@@ -2,7 +2,7 @@
 
 Two machines have a table of allowed transitions (``_ALLOWED``): a unit's gather state (``unit.UnitState``) and its
 gradient pipeline (``grads.GradState``); a move outside it raises ``transition_error`` instead of carrying on. The
-root's step phase (``state.StepPhase``) has no table: only step.py assigns it. ``internal_error`` is for any other
+root's step phase (``step.StepPhase``) has no table: only step.py assigns it. ``internal_error`` is for any other
 broken invariant (something missing that must be there).
 """
 

@@ -68,7 +68,7 @@ class UnitState(enum.Enum):
 
 _ALLOWED: dict[UnitState, frozenset[UnitState]] = {
     UnitState.SHARDED: frozenset({UnitState.GATHERING}),
-    UnitState.GATHERING: frozenset({UnitState.UNSHARDED}),
+    UnitState.GATHERING: frozenset({UnitState.UNSHARDED, UnitState.SHARDED}),  # SHARDED: its copy-out raised
     UnitState.UNSHARDED: frozenset({UnitState.SHARDED, UnitState.GROUP_SHARDED}),
     UnitState.GROUP_SHARDED: frozenset({UnitState.GATHERING, UnitState.SHARDED}),
 }
@@ -92,10 +92,14 @@ class UnitParams:
     """Parameters of one ``fully_shard`` call, sharded on dim 0 over the data-parallel mesh's shard group, and their
     gather state (the module docstring).
 
-    ``start``, ``finish`` and ``reshard`` run with torch.func's transforms (``jvp``, ``vmap``, ``grad``) switched off:
-    the buffers and full parameters they make are the unit's own, plain tensors, never wrapped for the transform of
-    the forward that gathers them. Inside the transform the parameters are then constants, as torch's
-    ``fully_shard`` makes them.
+    ``start``, ``finish`` and ``reshard`` make the unit's own, plain tensors (``_plain_tensors``): with torch.func's
+    transforms (``jvp``, ``vmap``, ``grad``) switched off, never wrapped for the transform of the forward that gathers
+    them (inside it the parameters are constants, as torch's ``fully_shard`` makes them); and outside inference mode,
+    so a first forward under ``torch.inference_mode()`` does not make the full parameters inference tensors, which
+    no later training forward could refill.
+
+    An exception inside ``finish`` or ``reshard`` (an allocation, a storage a reader made non-resizable) leaves the
+    unit sharded, with its full parameters forgotten (``FullParams.discard``): the next gather makes new ones.
     """
 
     def __init__(
@@ -260,7 +264,6 @@ class UnitParams:
         for mp in self.shards.params:
             if mp.full is not None:
                 mp.full.requires_grad_(mp.trainable)
-                self.fulls.hook(mp)
 
     def _relayout(self) -> None:
         self.reshard()
@@ -304,7 +307,7 @@ class UnitParams:
         group block kept in another dtype, picked up parameters replaced or cast (``ShardState.params_changed``) and
         ordered the stream after the compute stream's last writes of the shards.
         """
-        with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
+        with _plain_tensors():
             if self.state is UnitState.GROUP_SHARDED:
                 block = self._group_block
                 self._group_block = None
@@ -409,59 +412,76 @@ class UnitParams:
 
     def finish(self) -> None:
         """Wait for the all-gather, fill the full parameters and register them on the modules."""
-        with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
-            if self.state is not UnitState.GATHERING:
-                return
-            if self._pending_gather is None or self.compute_dtype is None:
-                raise internal_error(f"unit {self.owner_name}", "self._pending_gather or self.compute_dtype is missing")
-            pending, self._pending_gather = self._pending_gather, None
-            if pending.issued is not None:  # issued on the side stream
-                wait_for(pending.issued, self.device)
-            if pending.work is not None:
-                with labelled(f"fsdp_compose::all_gather_wait[{self.owner_name}]"):
-                    pending.work.wait()
-            dtype = self.compute_dtype
-            with labelled(f"fsdp_compose::all_gather_copy_out[{self.owner_name}]"):
-                if pending.plan is not None:
-                    self.fulls.copy_out_plan(pending.plan, dtype)
+        if self.state is not UnitState.GATHERING:
+            return
+        if self._pending_gather is None or self.compute_dtype is None:
+            raise internal_error(f"unit {self.owner_name}", "self._pending_gather or self.compute_dtype is missing")
+        pending, self._pending_gather = self._pending_gather, None
+        try:
+            with _plain_tensors():
+                self._copy_out(pending, self.compute_dtype)
+        except BaseException:
+            self._forget_gather()
+            raise
+        self._to(UnitState.UNSHARDED)
+
+    def _copy_out(self, pending: _PendingGather, dtype: torch.dtype) -> None:
+        """Wait for the all-gather, fill the full parameters from its output and register them on the modules."""
+        if pending.issued is not None:  # issued on the side stream
+            wait_for(pending.issued, self.device)
+        if pending.work is not None:
+            with labelled(f"fsdp_compose::all_gather_wait[{self.owner_name}]"):
+                pending.work.wait()
+        with labelled(f"fsdp_compose::all_gather_copy_out[{self.owner_name}]"):
+            if pending.plan is not None:
+                self.fulls.copy_out_plan(pending.plan, dtype)
+            else:
+                # the flat all-gather's output as ``(world_size, segment)`` rows (decoded by an extension)
+                segment_numel = self.shards.layout.segment_numel
+                transform = self.extensions.all_gather
+                if pending.encoded and transform is not None:
+                    decoded = transform.decode(pending.output.view(self.world_size, -1), dtype)
+                    self.fulls.copy_out(decoded[:, :segment_numel], dtype)
                 else:
-                    # the flat all-gather's output as ``(world_size, segment)`` rows (decoded by an extension)
-                    segment_numel = self.shards.layout.segment_numel
-                    transform = self.extensions.all_gather
-                    if pending.encoded and transform is not None:
-                        decoded = transform.decode(pending.output.view(self.world_size, -1), dtype)
-                        self.fulls.copy_out(decoded[:, :segment_numel], dtype)
-                    else:
-                        self.fulls.copy_out(pending.output.view(self.world_size, segment_numel), dtype)
-                if pending.collective and self.device.type == "cpu":
-                    # gloo's worker thread keeps its reference to a finished collective's tensors until it gets
-                    # around to dropping the work, after ``Work.wait`` has returned, so dropping ours would free the
-                    # buffer some time later, while the next unit may already be computing (a block-sized buffer
-                    # more at a step's peak, in some steps only): its storage is released now. On an accelerator the
-                    # compute stream's ordering rule frees it (collectives.py), which a resize would bypass.
-                    pending.output.untyped_storage().resize_(0)
-                if pending.stream is not None:
-                    # The compute stream read buffers the side stream allocated: the side stream's next allocation
-                    # may reuse their blocks, so it waits for this copy-out first (no record_stream needed).
-                    copied_out = record_event(self.device)
-                    if copied_out is not None:
-                        pending.stream.wait_event(copied_out)
-                self.fulls.register(dtype)
-            self._to(UnitState.UNSHARDED)
+                    self.fulls.copy_out(pending.output.view(self.world_size, segment_numel), dtype)
+            if pending.collective and self.device.type == "cpu":
+                # gloo's worker thread keeps its reference to a finished collective's tensors until it gets
+                # around to dropping the work, after ``Work.wait`` has returned, so dropping ours would free the
+                # buffer some time later, while the next unit may already be computing (a block-sized buffer
+                # more at a step's peak, in some steps only): its storage is released now. On an accelerator the
+                # compute stream's ordering rule frees it (collectives.py), which a resize would bypass.
+                pending.output.untyped_storage().resize_(0)
+            if pending.stream is not None:
+                # The compute stream read buffers the side stream allocated: the side stream's next allocation
+                # may reuse their blocks, so it waits for this copy-out first (no record_stream needed).
+                copied_out = record_event(self.device)
+                if copied_out is not None:
+                    pending.stream.wait_event(copied_out)
+            self.fulls.register(dtype)
 
     # ------------------------------------------------------------------ free
     def reshard(self) -> None:
         """Register the sharded parameters again and free the full parameters' storage (keeping the objects)."""
-        with torch._C._DisableFuncTorch():  # plain tensors: see the class docstring
-            if self.state is UnitState.GATHERING:
-                self.finish()
-            self.explicit = False
-            if self.state is UnitState.GROUP_SHARDED:
-                self._group_block = None
-                self._to(UnitState.SHARDED)
-            if self.state is UnitState.UNSHARDED:
-                self.fulls.free()
-                self._to(UnitState.SHARDED)
+        if self.state is UnitState.GATHERING:
+            self.finish()
+        self.explicit = False
+        if self.state is UnitState.GROUP_SHARDED:
+            self._group_block = None
+            self._to(UnitState.SHARDED)
+        if self.state is UnitState.UNSHARDED:
+            try:
+                with _plain_tensors():
+                    self.fulls.free()
+            except BaseException:
+                self._forget_gather()
+                raise
+            self._to(UnitState.SHARDED)
+
+    def _forget_gather(self) -> None:
+        """A copy-out or a free raised: the unit is sharded again and its full parameters forgotten (the next gather
+        makes new ones: the old ones' storage may be what failed); the caller re-raises."""
+        self.fulls.discard()
+        self._to(UnitState.SHARDED)
 
     def reshard_to_group(self) -> None:
         """After forward with ``reshard_after_forward=k``: keep this rank's ``W/k`` segments, free the rest.
@@ -493,6 +513,17 @@ class UnitParams:
         self.fulls.free()
         self._group_block = block
         self._to(UnitState.GROUP_SHARDED)
+
+
+def _plain_tensors() -> contextlib.AbstractContextManager[object]:
+    """What ``start``, ``finish`` and ``reshard`` run under (the class docstring): no torch.func transform, and, where
+    inference mode is on, normal tensors made without autograd recording."""
+    if not torch.is_inference_mode_enabled():
+        return torch._C._DisableFuncTorch()
+    stack = contextlib.ExitStack()
+    for context in (torch._C._DisableFuncTorch(), torch.inference_mode(False), torch.no_grad()):
+        stack.enter_context(context)
+    return stack
 
 
 def _added_hooks_check(unit: UnitParams) -> Callable[[list[tuple[str, torch.Tensor, int, bool]]], None]:

@@ -223,22 +223,22 @@ class StreamSim(TorchDispatchMode):
     ) -> None:
         """A new storage: where its address was another's, that one was freed and its block is reused here.
 
-        On a side stream, every block that stream allocated and that is freed by now counts as reused, whatever
-        address the CPU allocator picked (the caching allocator may hand out any of them): the check then does not
-        depend on the CPU allocator's choices. A block counts as freed once the tensor its allocation returned is."""
+        Every block this stream allocated and that is freed by now counts as reused, whatever address the CPU
+        allocator picked (the caching allocator may hand out any of them): the check then does not depend on the CPU
+        allocator's choices, nor on what ran in the process before. A block counts as freed once the tensor its
+        allocation returned is."""
         old = self.storages.pop(key, None)
         if old is not None and old.allocated_on == stream.name:  # the caching allocator's reuse (same stream)
             self._check_reuse(what, stream, old)
-        if stream is not self.compute:
-            pool = self.pools.get(stream.name, [])
-            for ref, freed in pool:
-                if ref() is None and freed is not old:
-                    self._check_reuse(what, stream, freed)
-            self.pools[stream.name] = [(ref, record) for ref, record in pool if ref() is not None]
+        pool = self.pools.get(stream.name, [])
+        for ref, freed in pool:
+            if ref() is None and freed is not old:
+                self._check_reuse(what, stream, freed)
+        self.pools[stream.name] = [(ref, record) for ref, record in pool if ref() is not None]
         written = (stream.name, stream.seq)
         record = _Access(stream.name, last_write=written, users={stream.name: (stream.seq, what)}, storage=storage)
         self.storages[key] = record
-        if stream is not self.compute and tensor is not None:
+        if tensor is not None:
             self.pools[stream.name].append((weakref.ref(tensor, functools.partial(self._freed, key, record)), record))
 
     def _freed(self, key: int, record: _Access, ref: object) -> None:

@@ -211,10 +211,10 @@ class _Copies(TorchDispatchMode):
 def _input_copies(rank: int, ws: int) -> list[bool]:
     model = nn.Linear(4, 4)
     fc.fully_shard(model, mesh=mesh_1d(ws))
-    ctx = fc.get_state(model).ctx
+    ctx = fc.get_state(model).step
     assert ctx is None
     model(torch.randn(2, 4))  # lazy init builds the step context
-    ctx = fc.get_state(model).ctx
+    ctx = fc.get_state(model).step
     assert ctx is not None
     # The CPU root copies nothing; moving to another device (meta stands in for an accelerator) must block.
     ctx.root.device = torch.device("meta")

@@ -145,8 +145,8 @@ def _printed_then_run(rank: int, ws: int, hsdp: bool) -> dict[str, Any]:
     with _backwards_recorded() as (programs, recorder):
         loss = loss_fn(model(x), y)
         loss.backward()
-    assert root.ctx is not None
-    full = root.ctx.schedule.full_backward()
+    assert root.step is not None
+    full = root.step.schedule.full_backward()
     ran = programs[0]
     # the program printed (every unit taking part, from the settings) is the one this backward compiled and issued;
     # per kind, since the printer cannot know which groups share a communicator before the first step

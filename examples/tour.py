@@ -66,6 +66,7 @@ teacher = copy.deepcopy(model)                           # an independent sharde
 sd = model.state_dict()                                  # DTensors, no communication; load_state_dict takes them
 model.load_state_dict(sd)
 full = fc.full_state_dict(model)                         # plain tensors on rank 0 (cpu)
+engine = dict(fc.full_weights(model, dtype=torch.bfloat16))  # unit by unit, in bf16: an inference engine's
 fc.load_full_state_dict(model, full, broadcast_from_rank0=True)
 
 bf16 = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -48,7 +48,7 @@ from .integrations.fsdp2 import FSDP2_METHOD_NAMES, bind_fsdp2_methods, has_fsdp
 from .integrations.ports import ported  # noqa: E402
 from .policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy  # noqa: E402
 from .recorder import CollectiveRecord, CollectiveRecorder  # noqa: E402
-from .state_dict import full_state_dict, load_full_state_dict  # noqa: E402
+from .state_dict import full_state_dict, full_weights, load_full_state_dict  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -73,6 +73,7 @@ __all__ = [
     "describe_schedule",
     "describe_units",
     "full_state_dict",
+    "full_weights",
     "fully_shard",
     "get_state",
     "has_fsdp2_methods",

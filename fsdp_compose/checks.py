@@ -30,22 +30,35 @@ def check_ranks_agree(schedule: StepSchedule, group: dist.ProcessGroup | None) -
     differ."""
     if group is None:
         return
-    fingerprint = schedule.fingerprint()
+    # Whether a backward may follow this forward is part of it: ranks that ran different numbers of forwards (a
+    # ``generate`` that stopped at different lengths) meet here, one in a training forward, another still decoding.
+    training = torch.is_grad_enabled()
+    fingerprint = schedule.fingerprint() ^ int(training)
     # max(x) == -max(-x) only where every rank sent the same x: one MAX all-reduce answers on every rank alike.
     values = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=schedule.root.device)
     all_reduce_max(values, group, async_op=False)
     high, low = values.tolist()
     if high == -low:
         return
-    everyone: list[Settings | None] = [None] * group.size()
-    dist.all_gather_object(everyone, schedule.settings(), group=group)
+    everyone: list[tuple[bool, Settings] | None] = [None] * group.size()
+    dist.all_gather_object(everyone, (training, schedule.settings()), group=group)
     raise RuntimeError(_difference(everyone, dist.get_process_group_ranks(group)))
 
 
-def _difference(everyone: list[Settings | None], ranks: list[int]) -> str:
-    first = everyone[0] or []
-    for rank, other in zip(ranks[1:], everyone[1:], strict=True):
-        other = other or []
+def _difference(everyone: list[tuple[bool, Settings] | None], ranks: list[int]) -> str:
+    modes = [found[0] if found is not None else None for found in everyone]
+    if len(set(modes)) > 1:
+        training = [rank for rank, mode in zip(ranks, modes, strict=True) if mode]
+        without = [rank for rank, mode in zip(ranks, modes, strict=True) if not mode]
+        return (
+            f"fsdp_compose collective check: ranks {training} run a forward with gradients enabled while ranks "
+            f"{without} run one without: the ranks ran different numbers of forwards of this model (e.g. generate "
+            "stopping at a different length on each rank: pass synced_gpus=True, or run the same number of forwards "
+            "everywhere), and their collectives no longer match"
+        )
+    first: Settings = everyone[0][1] if everyone[0] is not None else []
+    for rank, found in zip(ranks[1:], everyone[1:], strict=True):
+        other: Settings = found[1] if found is not None else []
         if [name for name, _ in other] != [name for name, _ in first]:
             return (
                 f"fsdp_compose collective check: ranks {ranks[0]} and {rank} have different sharded units "

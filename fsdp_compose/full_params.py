@@ -168,6 +168,11 @@ class FullParams:
     def free(self) -> None:
         """Register the sharded parameters on the modules again and free every full parameter's storage (the tensor
         objects stay, for the next gather to refill)."""
+        self.unregister()
+        self.free_storage()
+
+    def unregister(self) -> None:
+        """The sharded parameters on the modules again; the full ones keep their values (``UnitParams.park``)."""
         for mp in self.shards.params:
             # ``requires_grad_`` the user called while the full parameters were registered belongs to the
             # parameter the module will hold from now on: the trainability check reads the sharded one.
@@ -176,6 +181,10 @@ class FullParams:
             if held is not None and owner._parameters.get(attribute) is held and held.requires_grad != mp.trainable:
                 mp.sharded.requires_grad_(held.requires_grad)
             mp.register(mp.sharded)
+
+    def free_storage(self) -> None:
+        """Free every full parameter's storage (the tensor objects stay, for the next gather to refill)."""
+        for mp in self.shards.params:
             full_data = mp.full_data
             if (
                 mp.slot is None

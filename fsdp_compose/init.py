@@ -186,6 +186,7 @@ def fully_shard(
     )
     for m in modules:
         m.__dict__[STATE_ATTR] = state
+    _mark_managed(modules)
     register_hooks(state)
     if fsdp2_methods:
         for m in modules:
@@ -352,6 +353,25 @@ def _alias_hint(tensor: torch.Tensor, modules: list[nn.Module]) -> str:
 
 def _describe(modules: list[nn.Module]) -> str:
     return "[" + ", ".join(type(m).__name__ for m in modules) + "]" if len(modules) > 1 else type(modules[0]).__name__
+
+
+def _mark_managed(modules: list[nn.Module]) -> None:
+    """Set the two attributes torch's ``fully_shard`` sets on every module it manages, which others read to tell a
+    sharded model: ``_is_fsdp_managed_module`` (transformers' ``is_fsdp_managed_module``, which turns on
+    ``generate``'s ``synced_gpus`` so ranks that finish at different lengths keep issuing the same collectives;
+    Dynamo, which then passes the module's parameters to a compiled graph as inputs, as the gathers swap them) and
+    ``_fsdp_use_orig_params``. Not into torch's ``replicate()`` or a sharded submodule: those are marked, or not, by
+    their own call."""
+    stack = list(modules)
+    seen: set[int] = set()
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        module._is_fsdp_managed_module = True  # type: ignore[assignment]
+        module._fsdp_use_orig_params = True  # type: ignore[assignment]
+        stack += [c for c in module.children() if not _replicated(c) and get_state(c) is None]
 
 
 def _replicated(module: nn.Module) -> bool:

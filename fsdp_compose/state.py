@@ -293,7 +293,7 @@ class ShardState:
         changed = params.state is UnitState.SHARDED and self.params_changed()
         if changed:
             self.adopt_changes()  # changed since the step began: a gather outside the root's forward
-        if params.needs_gather:
+        if params.needs_gather or params.parked is not None:  # parked: taken back (no collective) unless stale
             # On the side stream, which waited for the compute stream at the step's start: again where the shards
             # may have been written since.
             stream = self.gather_stream
@@ -357,10 +357,11 @@ class ShardState:
     def begin_step(self, *, continuing: bool) -> None:
         """The root's pre-forward: anything left gathered is freed (a prefetch nobody used, parameters kept after a
         forward, a group block), the same on every rank whatever its garbage collector did with old graphs, unless
-        kept by policy (``kept_unsharded``) or by ``fc.unshard`` (``explicit``); then pick up the user's changes.
+        kept by policy (``kept_unsharded``, parked), or by ``fc.unshard`` (``explicit``); then pick up the user's
+        changes.
         ``continuing``: a forward while this step's backward is pending keeps the pending entries."""
         self.grads.drop_if_user_zeroed()
-        if not (self.params.explicit or self.record.kept_unsharded):
+        if not (self.params.explicit or self.record.kept_unsharded or self.params.parked is not None):
             self.params.reshard()
         if continuing:
             self.record.forget_forward()
@@ -428,15 +429,29 @@ class ShardState:
 
     def close_opening(self) -> None:
         """The unit's current opening for forward ends (every module of it ran, or the root's forward ended): reshard
-        per ``reshard_after_forward``, and always when no output of it needs grad."""
+        per ``reshard_after_forward``.
+
+        Where no backward can follow (``generate``'s decoding forwards, an evaluation) every unit reshards, but one
+        set to keep its parameters (``reshard_after_forward=False`` given, not the root's default) parks them
+        (``UnitParams.park``): the module holds its sharded parameters again, and the next forward takes the full
+        ones back without an all-gather unless the shards changed in place since (an optimizer step, a load).
+        torch's ``fully_shard`` keeps such a unit gathered and never gathers it again: stale weights after an
+        optimizer step."""
         record = self.record
         if not record.opened:
             return
         record.opened = False
         record.pending_modules = set()
-        if record.opening_needs_backward and self.reshard_after_forward and self.params.post_forward is not None:
-            self.params.reshard_to_group()
-        elif not record.opening_needs_backward or self.reshard_after_forward:
+        if record.opening_needs_backward:
+            if not self.reshard_after_forward:
+                return  # kept for its backward
+            if self.params.post_forward is not None:
+                self.params.reshard_to_group()
+            else:
+                self.params.reshard()
+        elif self.reshard_after_forward_setting is not None and not self.reshard_after_forward:
+            self.params.park()
+        else:
             self.params.reshard()
 
     def keep_for_next_forward(self) -> None:

@@ -5,6 +5,9 @@
 direction: a consolidated checkpoint (e.g. for export or for a Hugging Face-style file) and loading one that only
 the first rank read from disk.
 
+``full_weights`` is the gather of both: an iterator over the entries, one all-gather per unit (``full_state_dict``
+collects it), for an inference engine fed one unit at a time.
+
 Both communicate on the *module's mesh*: the mesh of its sharded parameters that contains the ranks of all the
 others (the data-parallel mesh; for FSDP + TP the combined (dp, tp) mesh). Its first rank (coordinate 0 on every
 dim) is "rank 0" of ``rank0_only`` and ``broadcast_from_rank0``: global rank 0 for a model sharded over the whole
@@ -20,9 +23,9 @@ written. A problem on any rank raises the same error on every rank, naming the k
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -32,8 +35,12 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .offload import collective_device
+from .state import states_under
 
-__all__ = ["full_state_dict", "load_full_state_dict"]
+if TYPE_CHECKING:
+    from .state import ShardState
+
+__all__ = ["full_state_dict", "full_weights", "load_full_state_dict"]
 
 # The agreed error message travels as a fixed-size byte tensor (only when something is wrong).
 _MESSAGE_BYTES = 4096
@@ -41,37 +48,130 @@ _KEYS_LISTED = 8
 
 
 def full_state_dict(module: nn.Module, *, cpu_offload: bool = True, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """Plain tensors equal to the unsharded module's ``state_dict()``.
+    """Plain tensors equal to the unsharded module's ``state_dict()``, gathered unit by unit (``full_weights``).
 
-    Every rank of the module's mesh must call it (each DTensor is gathered with a collective on its own mesh). With
-    ``rank0_only`` only the mesh's first rank keeps the result (the others get an empty dict), and with
-    ``cpu_offload`` the tensors are moved to CPU one at a time, so at most one full parameter per rank is on the
-    device at once.
+    Every rank of the module's mesh must call it, between steps. With ``rank0_only`` only the mesh's first rank keeps
+    the result (the others get an empty dict), and with ``cpu_offload`` each tensor is moved to CPU as it comes, so
+    at most one unit's full parameters per rank are on the device at once.
     """
     _check_module(module, "fc.full_state_dict")
     _check_flag(cpu_offload, "cpu_offload", "fc.full_state_dict")
-    _check_flag(rank0_only, "rank0_only", "fc.full_state_dict")
-    entries = module.state_dict()
-    mesh = _ModuleMesh.of(module, entries, "fc.full_state_dict")
+    # Not torch's get_model_state_dict (DSD): one all-gather per unit instead of one per entry, the copies kept on the
+    # mesh's first rank only with rank0_only (a pipeline stage's, never every rank's), and the keys of wrapped
+    # submodules (torch.compile's "_orig_mod.", DDP's "module.") kept as state_dict() has them, which
+    # load_full_state_dict takes back.
+    stream = _full_weights(module, "fc.full_state_dict", dtype=None, rank0_only=rank0_only, bucket_bytes=0)
+    gathered = {key: (value.cpu() if cpu_offload else value) for key, value in stream}
+    return {key: gathered[key] for key in module.state_dict(keep_vars=True) if key in gathered}  # state_dict()'s order
+
+
+def full_weights(
+    module: nn.Module, *, dtype: torch.dtype | None = None, rank0_only: bool = False, bucket_bytes: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` for every entry of the unsharded module's ``state_dict()``, gathered unit by unit: one
+    all-gather per unit (a TP-sharded parameter's ``full_tensor()`` over its TP dims on top), for an inference
+    engine's ``load_weights`` or ``model.load_state_dict``. Each tensor is a fresh copy, valid after the unit
+    reshards.
+
+    ``dtype``: floating-point entries come in it, each unit's shards cast before its all-gather (bf16 moves half the
+    bytes); None: their own dtype. ``rank0_only``: only the first rank of the module's mesh gets tensors, the others
+    iterate to the end all the same (they take part in every all-gather). ``bucket_bytes``: units are all-gathered
+    together until their full parameters reach it, then handed out in order (the extra peak is one bucket); 0: one
+    unit at a time. HSDP gathers within each replica only. A tied parameter is gathered once and handed out under
+    each of its keys (the same tensor). Every rank of the mesh iterates to the end, between steps.
+    """
+    return _full_weights(module, "fc.full_weights", dtype=dtype, rank0_only=rank0_only, bucket_bytes=bucket_bytes)
+
+
+def _full_weights(
+    module: nn.Module, function: str, *, dtype: torch.dtype | None, rank0_only: bool, bucket_bytes: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``full_weights``' checks, all before any collective, then its generator."""
+    _check_module(module, function)
+    _check_flag(rank0_only, "rank0_only", function)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"{function}: dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"{function}: bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
+    states = states_under(module)
+    for state in states:
+        if state.record.active or (state.step is not None and state.step.backward is not None):
+            raise RuntimeError(
+                f"{function} of {type(module).__name__}: unit {state.params.owner_name} is inside a forward or a "
+                "backward; call it between steps"
+            )
+    entries = module.state_dict(keep_vars=True)  # every unit resharded first (its state-dict pre-hook)
+    mesh = _ModuleMesh.of(module, entries, function)
     for key, value in entries.items():
         if isinstance(value, torch.Tensor) and value.is_meta:
             raise ValueError(
-                f"fc.full_state_dict of {type(module).__name__}: '{key}' is on the meta device (no values yet); "
+                f"{function} of {type(module).__name__}: '{key}' is on the meta device (no values yet); "
                 "materialize the module first: module.to_empty(device=...) and initialize or load it"
             )
-    keep = not rank0_only or mesh.is_first_rank()
-    # Not torch's get_model_state_dict (DSD), though the gather is the same (each DTensor's full_tensor() on its own
-    # mesh): with cpu_offload it keeps the copies on global rank 0 only (none on a pipeline stage's first rank, never
-    # on every rank), without it every rank holds the whole model on the device at once, and it renames the keys of
-    # wrapped submodules (torch.compile's "_orig_mod.", DDP's "module."), which load_full_state_dict would not take
-    # back. Here one entry at a time, on the module's mesh.
-    result: dict[str, torch.Tensor] = {}
+    return _stream(states, entries, dtype, not rank0_only or mesh.is_first_rank(), bucket_bytes)
+
+
+def _stream(
+    states: list[ShardState], entries: dict[str, torch.Tensor], dtype: torch.dtype | None, keep: bool, bucket_bytes: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    keys_of: dict[int, list[str]] = {}  # id(the parameter or buffer) -> its keys (a tied parameter: several)
     for key, value in entries.items():
-        if isinstance(value, DTensor):  # an offloaded shard is in host memory: its all-gather runs on the mesh's device
-            value = cast(DTensor, value.to(collective_device(value))).full_tensor()
-        if keep:
-            result[key] = (value.cpu() if cpu_offload else value).detach()
-    return result
+        keys_of.setdefault(id(value), []).append(key)
+    handed: set[str] = set()
+    bucket: list[ShardState] = []
+    filled = 0
+    try:
+        for state in states:
+            own = state.params.shards.dtype
+            state.start_gather(async_op=True, dtype=dtype or own, after_writes=True)
+            bucket.append(state)
+            filled += sum(mp.sharded.numel() for mp in state.params.shards.params) * (dtype or own).itemsize
+            if filled >= bucket_bytes:
+                yield from _hand_out(bucket, keys_of, handed, dtype, keep)
+                bucket, filled = [], 0
+        yield from _hand_out(bucket, keys_of, handed, dtype, keep)
+        # What no unit holds: buffers, ignored parameters, those torch's replicate() manages.
+        for key, value in entries.items():
+            if key not in handed:
+                if isinstance(value, DTensor):
+                    value = cast(DTensor, value.detach().to(collective_device(value))).full_tensor()
+                if keep:
+                    yield key, _copy(value.detach(), dtype)
+    finally:
+        for state in bucket:  # the consumer stopped (or raised) inside a bucket
+            state.params.reshard()
+
+
+def _hand_out(
+    bucket: list[ShardState],
+    keys_of: dict[int, list[str]],
+    handed: set[str],
+    dtype: torch.dtype | None,
+    keep: bool,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each unit of the bucket in order: its full parameters copied out under their keys, then resharded."""
+    for state in bucket:
+        params = state.params
+        params.finish()
+        for mp in params.shards.params:
+            keys = keys_of.get(id(mp.sharded), [])
+            handed.update(keys)
+            if not keys:
+                continue  # a parameter of the unit outside ``module`` (a unit over several modules)
+            # A protocol parameter's unsharded form is its own (NF4, float8): the DTensor's full_tensor() instead.
+            value = mp.sharded.full_tensor() if mp.subclass is not None else mp.full_data
+            if isinstance(mp.full, DTensor):
+                value = mp.full.detach().full_tensor()  # FSDP + TP: the TP dims on top
+            if keep and value is not None:
+                tensor = _copy(value.detach(), dtype)
+                for key in keys:
+                    yield key, tensor
+        params.reshard()
+
+
+def _copy(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    target = dtype if dtype is not None and value.is_floating_point() else value.dtype
+    return value.to(dtype=target, copy=True)
 
 
 def load_full_state_dict(

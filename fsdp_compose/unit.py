@@ -67,7 +67,7 @@ class UnitState(enum.Enum):
 
 
 _ALLOWED: dict[UnitState, frozenset[UnitState]] = {
-    UnitState.SHARDED: frozenset({UnitState.GATHERING}),
+    UnitState.SHARDED: frozenset({UnitState.GATHERING, UnitState.UNSHARDED}),  # UNSHARDED: a parked gather taken back
     UnitState.GATHERING: frozenset({UnitState.UNSHARDED, UnitState.SHARDED}),  # SHARDED: its copy-out raised
     UnitState.UNSHARDED: frozenset({UnitState.SHARDED, UnitState.GROUP_SHARDED}),
     UnitState.GROUP_SHARDED: frozenset({UnitState.GATHERING, UnitState.SHARDED}),
@@ -148,6 +148,9 @@ class UnitParams:
         self.compute_dtype: torch.dtype | None = None  # dtype of the full parameters gathered last
         self._pending_gather: _PendingGather | None = None
         self._group_block: torch.Tensor | None = None  # GROUP_SHARDED: this rank's W/k segments of the gathered buffer
+        # SHARDED with the full parameters of the last gather kept, in this dtype (``park``): the next gather in it
+        # takes them back without a collective while the shards are unchanged
+        self.parked: torch.dtype | None = None
         self.issued = 0  # all-gathers issued so far (the backward walk checks each against the step's program)
 
     def __repr__(self) -> str:
@@ -228,6 +231,7 @@ class UnitParams:
         if self.shards.defer_hookless:  # FSDP2's all-gather hooks: read again before the first gather (torch too)
             self.shards.read_hooks(_added_hooks_check(self))
         if not self.shards.views_intact():
+            self._unpark()
             self.shards.adopt()
 
     # ------------------------------------------------------------------ trainability
@@ -318,6 +322,13 @@ class UnitParams:
                 raise internal_error(f"unit {self.owner_name}", f"a group block in {block_dtype} gathered as {dtype}")
             if self.state is not UnitState.SHARDED:
                 return
+            if self.parked is not None:
+                if self.parked == dtype and not self.is_stale():
+                    self.parked = None
+                    self.fulls.register(dtype)
+                    self._to(UnitState.UNSHARDED)
+                    return
+                self._unpark()
             self.compute_dtype = dtype
             if not self.shards.uniform:
                 self._start_plan(dtype, async_op=async_op)
@@ -401,8 +412,11 @@ class UnitParams:
 
     @property
     def needs_gather(self) -> bool:
-        """Nothing gathered yet, or only the post-forward group's segments (``reshard_after_forward=k``)."""
-        return self.state is UnitState.SHARDED or self.state is UnitState.GROUP_SHARDED
+        """Nothing gathered yet (or parked, with the shards changed since), or only the post-forward group's segments
+        (``reshard_after_forward=k``)."""
+        if self.state is UnitState.SHARDED:
+            return self.parked is None or self.is_stale()
+        return self.state is UnitState.GROUP_SHARDED
 
     # ------------------------------------------------------------------ wait and copy out
     def arrived(self) -> bool:
@@ -465,6 +479,7 @@ class UnitParams:
         if self.state is UnitState.GATHERING:
             self.finish()
         self.explicit = False
+        self._unpark()
         if self.state is UnitState.GROUP_SHARDED:
             self._group_block = None
             self._to(UnitState.SHARDED)
@@ -477,10 +492,29 @@ class UnitParams:
                 raise
             self._to(UnitState.SHARDED)
 
+    def park(self) -> None:
+        """After a forward no backward follows, for a unit set to keep its parameters: the sharded parameters on the
+        modules again (``parameters()``, ``state_dict``, ``copy.deepcopy`` see a sharded unit), the full ones kept, so
+        the next forward takes them back without an all-gather unless an in-place write changed the shards since
+        (``start``; ``is_stale``). A unit with FSDP2-protocol parameters (their unsharded form is theirs) reshards."""
+        if self.state is UnitState.GATHERING:
+            self.finish()
+        if self.state is not UnitState.UNSHARDED or self.shards.protocol or self.explicit:
+            return
+        self.fulls.unregister()
+        self.parked = self.compute_dtype
+        self._to(UnitState.SHARDED)
+
+    def _unpark(self) -> None:
+        if self.parked is not None:
+            self.parked = None
+            self.fulls.free_storage()
+
     def _forget_gather(self) -> None:
         """A copy-out or a free raised: the unit is sharded again and its full parameters forgotten (the next gather
         makes new ones: the old ones' storage may be what failed); the caller re-raises."""
         self.fulls.discard()
+        self.parked = None
         self._to(UnitState.SHARDED)
 
     def reshard_to_group(self) -> None:

@@ -17,9 +17,8 @@ Ports (each tested through the trainer's own entry point in tests/integration/):
   sharded unchanged (its "already sharded" guard, ``isinstance(model, FSDPModule)``).
 - ``"transformers"``: the accelerate port (the ``Trainer`` prepares through it with ``fsdp_version: 2``), plus
   ``torch.distributed.fsdp.register_fsdp_forward_method``, which the ``Trainer`` calls for ``generate`` and which is a
-  no-op for a module that is not a torch ``FSDPModule``, calls ``fc.register_forward_method`` for a sharded one; and
-  the ``Trainer``'s ``is_fsdp_managed_module`` recognises a model sharded by fsdp_compose (its no-sync for gradient
-  accumulation on a model sharded before the ``Trainer``).
+  no-op for a module that is not a torch ``FSDPModule``, calls ``fc.register_forward_method`` for a sharded one.
+  (The ``Trainer``'s ``is_fsdp_managed_module`` needs nothing: it reads the attribute ``fully_shard`` sets.)
 - ``"lightning"``: ``_FSDPNoSync._set_requires_grad_sync`` (Fabric's ``no_backward_sync``) also sets
   ``requires_gradient_sync`` on fsdp_compose's units.
 - ``"olmo_core"`` (AI2's OLMo-core 3.0): the ``fully_shard`` name bound in ``olmo_core.nn.transformer.model``
@@ -88,14 +87,6 @@ def _register_forward_method(original: Callable[[nn.Module, str], None]) -> Call
     return register_fsdp_forward_method
 
 
-def _is_fsdp_managed(original: Callable[[nn.Module], bool]) -> Callable[[nn.Module], bool]:
-    @functools.wraps(original)
-    def is_fsdp_managed_module(module: nn.Module) -> bool:
-        return bool(original(module)) or api.is_fully_sharded(module)
-
-    return is_fsdp_managed_module
-
-
 class _FSDPModuleGuardMeta(type):
     """``isinstance(m, <the class>)`` is torch's ``isinstance(m, FSDPModule)`` or fsdp_compose's FSDP2-methods check."""
 
@@ -139,7 +130,6 @@ PORTS: dict[str, tuple[_Patch, ...]] = {
     "transformers": (
         *_ACCELERATE,
         ("torch.distributed.fsdp", "register_fsdp_forward_method", _register_forward_method),
-        ("transformers.trainer", "is_fsdp_managed_module", _is_fsdp_managed),
     ),
     "lightning": (
         ("lightning.fabric.strategies.model_parallel", "_FSDPNoSync._set_requires_grad_sync", _lightning_no_sync),

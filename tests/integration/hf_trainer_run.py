@@ -1,7 +1,7 @@
 """Run under ``torchrun --nproc_per_node 2``: HF ``Trainer`` (gradient accumulation 2) on a tiny randomly initialized
 Llama built from a config in code, sharded per decoder layer by torch's ``fully_shard`` or ``fc.fully_shard``;
-prints one JSON line (rank 0). ``argv[1]``: ``torch``, ``fc`` (with the guard patch of docs/integrations.md),
-``fc_ported`` (``trainer.train()`` under ``fc.ported("transformers")`` instead) or ``fc_unpatched``."""
+prints one JSON line (rank 0). ``argv[1]``: ``torch``, ``fc`` or ``fc_ported`` (``trainer.train()`` under
+``fc.ported("transformers")``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
-from transformers import trainer as transformers_trainer
 from transformers.distributed import DistributedConfig
 
 import fsdp_compose as fc
@@ -56,9 +55,6 @@ shard(model, mesh=mesh, **extra)
 # as transformers' own DistributedConfig loading does.
 model._is_distributed_loading_by_transformers = True
 model.config.distributed_config = DistributedConfig(fsdp_size=dist.get_world_size(), dp_replicate_size=1)
-if VARIANT == "fc":  # the guard patch of transformers' is_fsdp_managed_module (distributed/fsdp.py)
-    original_check = transformers_trainer.is_fsdp_managed_module
-    transformers_trainer.is_fsdp_managed_module = lambda m: original_check(m) or fc.is_fully_sharded(m)
 args = TrainingArguments(
     output_dir="/tmp/fc-hf-trainer",
     per_device_train_batch_size=2,

@@ -128,14 +128,14 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
     lines = [
         f"`{command}`",
         "",
-        "| layers | dtype | method | ms (median) | vs per entry | collectives | extra peak (MiB, rank 0) |",
+        "| layers | dtype | method | ms (median) | speed-up over per entry | collectives | extra peak (MiB, rank 0) |",
         "|---|---|---|---|---|---|---|",
     ]
     base = {(r["layers"], r["dtype"]): r["ms"] for r in rows if r["method"] == "per entry full_tensor()"}
     for r in rows:
         ratio = base[(r["layers"], r["dtype"])] / r["ms"]
         lines.append(
-            f"| {r['layers']} | {r['dtype']} | {r['method']} | {r['ms']:.1f} | {ratio:.2f}x faster | "
+            f"| {r['layers']} | {r['dtype']} | {r['method']} | {r['ms']:.1f} | {ratio:.2f}x | "
             f"{r['collectives']} | {r['peak_mib']:.2f} |"
         )
     return "\n".join(lines)

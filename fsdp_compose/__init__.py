@@ -43,6 +43,7 @@ from .description import (  # noqa: E402
     print_description,
 )
 from .extensions import CastAllGather, Int8AllGather, ShardExtensions  # noqa: E402
+from .host_copy import HostCopies, move_to_device, move_to_host  # noqa: E402
 from .init import fully_shard  # noqa: E402
 from .integrations.fsdp2 import FSDP2_METHOD_NAMES, bind_fsdp2_methods, has_fsdp2_methods, share_comm_ctx  # noqa: E402
 from .integrations.ports import ported  # noqa: E402
@@ -59,6 +60,7 @@ __all__ = [
     "CollectiveRecord",
     "CollectiveRecorder",
     "DataParallelMeshDims",
+    "HostCopies",
     "Int8AllGather",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
@@ -79,6 +81,8 @@ __all__ = [
     "has_fsdp2_methods",
     "is_fully_sharded",
     "load_full_state_dict",
+    "move_to_device",
+    "move_to_host",
     "no_sync",
     "ported",
     "print_description",

@@ -376,6 +376,11 @@ class UnitGradients:
         return self.state is not GradState.IDLE or self.replica_partial is not None
 
     # ------------------------------------------------------------------ filling the buffer
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the unit holds between steps besides ``.grad``: an accumulation window's buffer, HSDP's partial sums
+        (``fc.move_to_host`` moves them)."""
+        return [t for t in (self.input.buffer, self.replica_partial) if t is not None]
+
     def capture(self, mp: ManagedParam) -> None:
         """Post-accumulate-grad hook of a full parameter: while accumulating, move its gradient into the buffer.
 

@@ -95,6 +95,11 @@ def _reshard(state: ShardState, *unused: Any) -> None:
 def pre_forward(
     state: ShardState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    if state.host is not None:
+        raise RuntimeError(
+            f"fsdp_compose: unit {state.params.owner_name} is in host memory (fc.move_to_host); call "
+            "fc.move_to_device(model) before a forward"
+        )
     with labelled(f"fsdp_compose::pre_forward[{state.params.owner_name}]"):
         record = state.record
         step = state.step

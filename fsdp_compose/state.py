@@ -31,6 +31,7 @@ from .policies import MixedPrecisionPolicy, PrefetchPoint
 from .unit import UnitParams, UnitState
 
 if TYPE_CHECKING:
+    from .host_copy import HostCopies
     from .step import StepContext
 
 logger = logging.getLogger(__name__)
@@ -252,6 +253,7 @@ class ShardState:
         # The root's side stream for the all-gather copy-in (None on a CPU device)
         self.gather_stream: torch.Stream | None = None
         self.record = UnitStepRecord()
+        self.host: HostCopies | None = None  # fc.move_to_host: its storages are in host memory, no forward until back
 
     # ------------------------------------------------------------------ root and settings as they act
     @property
@@ -496,6 +498,11 @@ class ShardState:
 
     # ------------------------------------------------------------------ copy.deepcopy
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardState:
+        if self.host is not None:
+            raise RuntimeError(
+                f"copy.deepcopy of a module whose unit {self.params.owner_name} is in host memory (fc.move_to_host); "
+                "call fc.move_to_device(model) first"
+            )
         new = object.__new__(ShardState)
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)
@@ -508,5 +515,6 @@ class ShardState:
         new.root = None
         new.step = None
         new.gather_stream = None
+        new.host = None
         new.record = UnitStepRecord()
         return new

@@ -100,6 +100,11 @@ def _full_weights(
                 f"{function} of {type(module).__name__}: unit {state.params.owner_name} is inside a forward or a "
                 "backward; call it between steps"
             )
+        if state.host is not None:
+            raise RuntimeError(
+                f"{function} of {type(module).__name__}: unit {state.params.owner_name} is in host memory "
+                "(fc.move_to_host); call fc.move_to_device(model) first"
+            )
     entries = module.state_dict(keep_vars=True)  # every unit resharded first (its state-dict pre-hook)
     mesh = _ModuleMesh.of(module, entries, function)
     for key, value in entries.items():

@@ -241,6 +241,32 @@ def hsdp(mesh: DeviceMesh, rank: int, ws: int) -> float:
     return _against_reference(hsdp_mesh, rank, ws, micro=3)()
 
 
+def move_to_host(mesh: DeviceMesh, rank: int, ws: int) -> float:
+    """Trained, moved to the host with its optimizer between two steps and back, trained on: equal to the reference.
+    On a GPU the device then holds none of the model's and the optimizer's bytes (``memory_allocated`` drops by at
+    least what ``fc.move_to_host`` moved, and comes back to where it was)."""
+    dev = _device(mesh)
+    model = _gpt(dev)
+    reference = copy.deepcopy(model)
+    _shard(model, mesh)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    for step in range(STEPS):
+        for index, (net, opt) in enumerate(zip((model, reference), opts, strict=True)):
+            x, y = _batch(step, rank, ws, dev, local=index == 0)
+            loss_fn(net(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if step == 0:
+            allocated = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            moved = fc.move_to_host(model, opts[0]).nbytes
+            during = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            fc.move_to_device(model)
+            after = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            if dev.type == "cuda" and (allocated - during < moved or after != allocated):
+                return float("inf")
+    return _max_diff(model, reference)
+
+
 CASES: dict[str, tuple[Callable[[DeviceMesh, int, int], float], float, int]] = {
     # name: (case, tolerance, smallest world size)
     "plain": (plain, FP32_TOL, 1),
@@ -256,6 +282,7 @@ CASES: dict[str, tuple[Callable[[DeviceMesh, int, int], float], float, int]] = {
     "bf16_compute": (bf16_compute, BF16_TOL, 1),
     "bf16_like_torch": (bf16_like_torch, SAME_TOL, 1),
     "hsdp": (hsdp, FP32_TOL, 4),
+    "move_to_host": (move_to_host, FP32_TOL, 1),
 }
 
 

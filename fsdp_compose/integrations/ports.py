@@ -17,7 +17,9 @@ Ports (each tested through the trainer's own entry point in tests/integration/):
   sharded unchanged (its "already sharded" guard, ``isinstance(model, FSDPModule)``).
 - ``"transformers"``: the accelerate port (the ``Trainer`` prepares through it with ``fsdp_version: 2``), plus
   ``torch.distributed.fsdp.register_fsdp_forward_method``, which the ``Trainer`` calls for ``generate`` and which is a
-  no-op for a module that is not a torch ``FSDPModule``, calls ``fc.register_forward_method`` for a sharded one.
+  no-op for a module that is not a torch ``FSDPModule``, calls ``fc.register_forward_method`` for a sharded one; and
+  the ``fully_shard`` name ``transformers.distributed.fsdp`` imported from torch, so ``from_pretrained(...,
+  distributed_config=DistributedConfig(...))`` shards with fsdp_compose.
   (The ``Trainer``'s ``is_fsdp_managed_module`` needs nothing: it reads the attribute ``fully_shard`` sets.)
 - ``"lightning"``: ``_FSDPNoSync._set_requires_grad_sync`` (Fabric's ``no_backward_sync``) also sets
   ``requires_gradient_sync`` on fsdp_compose's units.
@@ -130,6 +132,8 @@ PORTS: dict[str, tuple[_Patch, ...]] = {
     "transformers": (
         *_ACCELERATE,
         ("torch.distributed.fsdp", "register_fsdp_forward_method", _register_forward_method),
+        # transformers' own FSDP2 (from_pretrained(..., distributed_config=...)) bound torch's name at its import
+        ("transformers.distributed.fsdp", "fully_shard", lambda original: _fully_shard_with_methods),
     ),
     "lightning": (
         ("lightning.fabric.strategies.model_parallel", "_FSDPNoSync._set_requires_grad_sync", _lightning_no_sync),

@@ -20,6 +20,7 @@ import torch.nn as nn
 import fsdp_compose as fc
 from examples.gpt_model import GPTConfig, loss_fn, synthetic_batch
 from fsdp_compose.full_params import FullParams
+from fsdp_compose.offload import UnitDevices
 from fsdp_compose.unit import UnitState
 from tests.dist_utils import local_batch, make_optimizer, max_param_diff, mesh_1d, reference_and_copy, shard_gpt
 
@@ -71,20 +72,22 @@ class _Injected(RuntimeError):
 
 @contextlib.contextmanager
 def _failing(where: str, armed: Callable[[], bool]) -> Iterator[None]:
-    """``FullParams``' step at ``where`` raises while ``armed()`` (the pool's process is reused: restored after)."""
-    name = {"copy_out": "copy_out", "register": "register", "reshard": "free"}[where]
-    original = getattr(FullParams, name)
+    """The step at ``where`` raises while ``armed()`` (the pool's process is reused: restored after): the copy-in
+    (``UnitDevices.to_compute``, before the collective), or ``FullParams``' copy-out, registration or free."""
+    owner: Any = UnitDevices if where == "copy_in" else FullParams
+    name = {"copy_in": "to_compute", "copy_out": "copy_out", "register": "register", "reshard": "free"}[where]
+    original = getattr(owner, name)
 
-    def sabotaged(self: FullParams, *args: Any) -> Any:
+    def sabotaged(self: Any, *args: Any) -> Any:
         if armed():
             raise _Injected(f"{where} failed")
         return original(self, *args)
 
-    setattr(FullParams, name, sabotaged)
+    setattr(owner, name, sabotaged)
     try:
         yield
     finally:
-        setattr(FullParams, name, original)
+        setattr(owner, name, original)
 
 
 def _failure_in_a_gather(rank: int, ws: int, where: str, reset: bool) -> dict[str, Any]:
@@ -96,7 +99,9 @@ def _failure_in_a_gather(rank: int, ws: int, where: str, reset: bool) -> dict[st
     armed = {"on": False}
 
     def fires() -> bool:
-        # only block 1's own FullParams, once
+        # only block 1's own unit
+        if where == "copy_in":
+            return armed["on"] and _current[0] is target.params.devices
         return armed["on"] and _current[0] is target.params.fulls
 
     _current: list[Any] = [None]
@@ -122,33 +127,33 @@ def _failure_in_a_gather(rank: int, ws: int, where: str, reset: bool) -> dict[st
 @contextlib.contextmanager
 def _tracking(current: list[Any]) -> Iterator[None]:
     """Keep the ``FullParams`` whose method runs now in ``current[0]`` (what ``_failing`` fires on)."""
-    names = ("copy_out", "register", "free")
-    originals = {name: getattr(FullParams, name) for name in names}
+    targets = [(FullParams, "copy_out"), (FullParams, "register"), (FullParams, "free"), (UnitDevices, "to_compute")]
+    originals = {(owner, name): getattr(owner, name) for owner, name in targets}
 
-    def tracked(name: str) -> Callable[..., Any]:
-        def run(self: FullParams, *args: Any) -> Any:
+    def tracked(owner: Any, name: str) -> Callable[..., Any]:
+        def run(self: Any, *args: Any) -> Any:
             current[0] = self
-            return originals[name](self, *args)
+            return originals[(owner, name)](self, *args)
 
         return run
 
-    for name in names:
-        setattr(FullParams, name, tracked(name))
+    for owner, name in targets:
+        setattr(owner, name, tracked(owner, name))
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(FullParams, name, original)
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
 
 
 @pytest.mark.parametrize("ws", [1, 2])
-@pytest.mark.parametrize("where", ["copy_out", "register", "reshard"])
+@pytest.mark.parametrize("where", ["copy_in", "copy_out", "register", "reshard"])
 @pytest.mark.parametrize("reset", [False, True])
 def test_a_failure_inside_a_gather_leaves_the_unit_sharded_and_usable(
     run_dist, ws: int, where: str, reset: bool
 ) -> None:
-    """The copy-out, the registration of the full parameters or the reshard raises on every rank: the unit is
-    sharded again, and training goes on equal to a reference that skipped the step (with or without
+    """The copy-in, the copy-out, the registration of the full parameters or the reshard raises on every rank: the
+    unit is sharded again, and training goes on equal to a reference that skipped the step (with or without
     ``fc.reset_step``)."""
     for result in run_dist(ws, _failure_in_a_gather, where, reset):
         assert result["raised"] == [1]

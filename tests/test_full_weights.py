@@ -41,9 +41,10 @@ def _build(rank: int, ws: int, layout: str) -> tuple[GPT, GPT]:
         mesh = mesh_1d(ws)
     if layout == "frozen":
         model.blocks[0].requires_grad_(False)
+    ignored = {"ignored_params": {model.pos_emb}} if layout == "ignored" else {}  # no unit holds it
     for block in model.blocks:
         fc.fully_shard(block, mesh=mesh, mp_policy=policy)
-    fc.fully_shard(model, mesh=mesh, mp_policy=policy)
+    fc.fully_shard(model, mesh=mesh, mp_policy=policy, **ignored)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     inputs, targets = synthetic_batch(_CFG, 4, 0)
     dp_rank, dp_size = (rank // (ws // 2), 2) if layout == "tp" else (rank, ws)
@@ -85,7 +86,7 @@ def _stream(rank: int, ws: int, layout: str, dtype: torch.dtype | None, bucket_b
 
 @pytest.mark.parametrize(
     ("ws", "layout"),
-    [(2, "plain"), (4, "plain"), (4, "hsdp"), (4, "tp"), (2, "bf16"), (2, "frozen"), (2, "tied")],
+    [(2, "plain"), (4, "plain"), (4, "hsdp"), (4, "tp"), (2, "bf16"), (2, "frozen"), (2, "tied"), (2, "ignored")],
 )
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["own", "bf16"])
 def test_the_stream_equals_the_unsharded_state_dict(run_dist, ws: int, layout: str, dtype: torch.dtype | None) -> None:

@@ -51,6 +51,10 @@ def stream(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterable[tuple[
     return fc.full_weights(model, dtype=dtype)
 
 
+def stream_bucketed(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterable[tuple[str, torch.Tensor]]:
+    return fc.full_weights(model, dtype=dtype, bucket_bytes=16 << 20)
+
+
 def torch_dsd(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterable[tuple[str, torch.Tensor]]:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     for key, value in full.items():
@@ -61,6 +65,7 @@ METHODS: dict[str, tuple[Method, str]] = {
     "per entry full_tensor()": (per_entry, "fc"),
     "torch get_model_state_dict": (torch_dsd, "torch"),
     "fc.full_weights": (stream, "fc"),
+    "fc.full_weights, 16 MiB buckets": (stream_bucketed, "fc"),
 }
 
 

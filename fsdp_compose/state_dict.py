@@ -76,9 +76,10 @@ def full_weights(
     ``dtype``: floating-point entries come in it, each unit's shards cast before its all-gather (bf16 moves half the
     bytes); None: their own dtype. ``rank0_only``: only the first rank of the module's mesh gets tensors, the others
     iterate to the end all the same (they take part in every all-gather). ``bucket_bytes``: units are all-gathered
-    together until their full parameters reach it, then handed out in order (the extra peak is one bucket); 0: one
-    unit at a time. HSDP gathers within each replica only. A tied parameter is gathered once and handed out under
-    each of its keys (the same tensor). Every rank of the mesh iterates to the end, between steps.
+    together until their full parameters reach it, then handed out in order (the extra peak is that bucket, which
+    its last unit may overfill, and the copy being handed out); 0: one unit at a time. HSDP gathers within each
+    replica only. A tied parameter is gathered once and handed out under each of its keys (the same tensor). Every
+    rank of the mesh iterates to the end, between steps.
     """
     return _full_weights(module, "fc.full_weights", dtype=dtype, rank0_only=rank0_only, bucket_bytes=bucket_bytes)
 

@@ -133,7 +133,7 @@ def fully_shard(
     ignored = _ignored_ids(ignored_params, modules, owner_name)
 
     check_offload_policy(offload_policy, mesh, owner_name)
-    params, lifts = _collect_params(modules, ignored, owner_name)
+    params, lifts, managed = _collect_params(modules, ignored, owner_name)
     device = _mesh_device(mesh)
     shard_dims = _check_params(params, shard_placement_fn, owner_name)
     _check_unit_kind(
@@ -186,7 +186,7 @@ def fully_shard(
     )
     for m in modules:
         m.__dict__[STATE_ATTR] = state
-    _mark_managed(modules)
+    _mark_managed(managed)
     register_hooks(state)
     if fsdp2_methods:
         for m in modules:
@@ -355,23 +355,16 @@ def _describe(modules: list[nn.Module]) -> str:
     return "[" + ", ".join(type(m).__name__ for m in modules) + "]" if len(modules) > 1 else type(modules[0]).__name__
 
 
-def _mark_managed(modules: list[nn.Module]) -> None:
-    """Set the two attributes torch's ``fully_shard`` sets on every module it manages, which others read to tell a
+def _mark_managed(managed: list[nn.Module]) -> None:
+    """Set the two attributes torch's ``fully_shard`` sets on every module it manages (``managed``: what
+    ``_collect_params`` walked, not into torch's ``replicate()`` or a sharded submodule), which others read to tell a
     sharded model: ``_is_fsdp_managed_module`` (transformers' ``is_fsdp_managed_module``, which turns on
     ``generate``'s ``synced_gpus`` so ranks that finish at different lengths keep issuing the same collectives;
     Dynamo, which then passes the module's parameters to a compiled graph as inputs, as the gathers swap them) and
-    ``_fsdp_use_orig_params``. Not into torch's ``replicate()`` or a sharded submodule: those are marked, or not, by
-    their own call."""
-    stack = list(modules)
-    seen: set[int] = set()
-    while stack:
-        module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
+    ``_fsdp_use_orig_params``."""
+    for module in managed:
         module._is_fsdp_managed_module = True  # type: ignore[assignment]
         module._fsdp_use_orig_params = True  # type: ignore[assignment]
-        stack += [c for c in module.children() if not _replicated(c) and get_state(c) is None]
 
 
 def _replicated(module: nn.Module) -> bool:
@@ -383,22 +376,23 @@ def _replicated(module: nn.Module) -> bool:
 
 def _collect_params(
     modules: list[nn.Module], ignored: set[int], owner_name: str
-) -> tuple[list[_ParamEntry], list[tuple[ShardState, nn.Parameter]]]:
+) -> tuple[list[_ParamEntry], list[tuple[ShardState, nn.Parameter]], list[nn.Module]]:
     """Parameters this call manages: all under ``modules`` except ignored ones and those of sharded submodules.
 
     A parameter that a sharded submodule's unit already took but that is also used outside that submodule (a tie,
     e.g. an embedding and an output head) is *lifted*: returned in ``lifts`` so that it moves into this unit, the
-    closest unit containing every use. Returns (entries, lifts); nothing is changed here.
+    closest unit containing every use. Returns (entries, lifts, the modules walked: those this call manages);
+    nothing is changed here.
     """
     entries: dict[int, _ParamEntry] = {}
     taken: dict[int, ShardState] = {}  # id of a user parameter a sharded submodule's unit replaced -> that state
     sharded_by_child: dict[int, str] = {}  # id of a sharded parameter of a submodule -> its unit
-    visited: set[int] = set()
+    visited: dict[int, nn.Module] = {}
 
     def visit(module: nn.Module, prefix: str) -> None:
         if id(module) in visited:
             return
-        visited.add(id(module))
+        visited[id(module)] = module
         for name, param in module._parameters.items():
             if param is None or id(param) in ignored:
                 continue
@@ -460,7 +454,7 @@ def _collect_params(
                 f"a parameter of the unit on {state.params.owner_name} is tied to one used by {owner_name}, but that "
                 "unit already ran a forward; call fully_shard on every module before the first forward"
             )
-    return list(entries.values()), lifts
+    return list(entries.values()), lifts, list(visited.values())
 
 
 def _check_params(

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .state import states_under
+from .state import check_between_steps, states_under
 
 if TYPE_CHECKING:
     from .state import ShardState
@@ -95,12 +95,7 @@ def _between_steps(module: nn.Module, function: str) -> list[ShardState]:
     states = states_under(module)
     if not states:
         raise ValueError(f"fc.{function}: no module under this {type(module).__name__} is sharded")
-    for state in states:
-        if state.record.active or (state.step is not None and state.step.backward is not None):
-            raise RuntimeError(
-                f"fc.{function}: unit {state.params.owner_name} is inside a forward or a backward; call it between "
-                "steps"
-            )
+    check_between_steps(states, f"fc.{function}")
     return states
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "GradientAccumulation",
     "ShardState",
     "UnitStepRecord",
+    "check_between_steps",
     "reshards_after_forward",
     "states_under",
 ]
@@ -69,6 +70,16 @@ def states_under(module: nn.Module) -> list[ShardState]:
             seen.add(id(state))
             found.append(state)
     return found
+
+
+def check_between_steps(states: list[ShardState], function: str) -> None:
+    """Raise before any collective where a unit of ``states`` is inside a forward or a backward (``function``: the
+    call that needs the units between steps, named in the error)."""
+    for state in states:
+        if state.record.active or (state.step is not None and state.step.backward is not None):
+            raise RuntimeError(
+                f"{function}: unit {state.params.owner_name} is inside a forward or a backward; call it between steps"
+            )
 
 
 class ForwardCall:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .offload import collective_device
-from .state import states_under
+from .state import check_between_steps, states_under
 
 if TYPE_CHECKING:
     from .state import ShardState
@@ -95,12 +95,8 @@ def _full_weights(
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"{function}: bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
     states = states_under(module)
+    check_between_steps(states, function)
     for state in states:
-        if state.record.active or (state.step is not None and state.step.backward is not None):
-            raise RuntimeError(
-                f"{function} of {type(module).__name__}: unit {state.params.owner_name} is inside a forward or a "
-                "backward; call it between steps"
-            )
         if state.host is not None:
             raise RuntimeError(
                 f"{function} of {type(module).__name__}: unit {state.params.owner_name} is in host memory "

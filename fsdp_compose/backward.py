@@ -1,53 +1,49 @@
-"""One backward's walk through the agreed schedule: two cursors and the reductions in flight.
+"""One backward's walk through its compiled program (program.py): two cursors and the reductions in flight.
 
-``StepContext.begin_backward`` builds it from the participants the ranks agreed on (program.py) and drops it in the
-final callback. What the walk knows of each unit (its place in the order, the calls it runs here, whether it is
-gathered or finished, what it prefetched) is in the unit's record, set when the backward begins
-(``state.UnitStepRecord.forget_backward``) and moved on only here. Everything that picks a collective during a
-backward is here:
+``StepContext.begin_backward`` builds it with the program compiled from the participants the ranks agreed on, and
+drops it in the final callback. The program says what goes out and in which order (its gather path and reduce path);
+the walk decides when. What the walk knows of each unit (its step on the gather path, the calls it runs here, whether
+it is gathered or finished, what it prefetched) is in the unit's record, set when the backward begins
+(``state.UnitStepRecord.forget_backward``) and moved on only here:
 
-- ``gather_for_backward``: the gather cursor issues every backward all-gather up to the unit needed now, in the
-  agreed order; a unit this rank does not run is gathered at its turn all the same. A unit it needs now prefetches
-  the next one at its ``backward_prefetch_point`` (``fc.set_backward_prefetch_point``);
+- ``gather_for_backward``: the gather cursor passes every step of the gather path up to the unit needed now, issuing
+  its all-gather where the step lists one (a unit this rank does not run is gathered at its turn all the same). A
+  unit it needs now prefetches the next step at its ``backward_prefetch_point`` (``fc.set_backward_prefetch_point``);
 - ``gradient_made``: a full parameter's gradient was accumulated: the parameter is freed at once where nothing
   can read it any more, and the unit's midway prefetch goes out once half its parameter bytes are freed;
 - ``call_backward_done``: a unit's call finished its backward here; the unit is finished once every call this
-  backward runs here has (``awaiting``), then the reduce cursor issues every reduction whose turn has come;
+  backward runs here has (``awaiting``), then the reduce cursor issues every step of the reduce path whose turn has
+  come;
 - ``make_room`` / ``issue_reductions``: the window: older reduce-scatters complete before a new input is filled (on
   an accelerator) or before the new one is issued (on CPU);
-- ``issue_rest`` / ``wait_rest``: the rest of the order, in the final callback or when a step is abandoned.
+- ``issue_rest`` / ``wait_rest``: the rest of both paths, in the final callback or when a step is abandoned.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 import torch
 
 from .grads import GradState
-from .program import Program
+from .program import GatherStep, Program, ReduceStep
+from .transitions import internal_error
 from .unit import UnitState
 
 if TYPE_CHECKING:
     from .flat import ManagedParam
-    from .grads import UnitGradients
     from .state import ShardState
-    from .unit import UnitParams
 
 __all__ = ["BackwardWalk"]
-
-Issuer = Union["UnitParams", "UnitGradients"]  # what counts the collectives a unit issued (``issued``)
 
 
 @dataclass
 class BackwardWalk:
-    """One backward: its participants (agreed across ranks) in the two orders, and the two cursors through them."""
+    """One backward: its program (the paths through the participants the ranks agreed on) and the two cursors."""
 
-    gather_order: list[ShardState]  # the schedule's gather order, participants only
-    reduce_order: list[ShardState]  # the schedule's reduce order, participants only
+    program: Program
     consumed: set[int]  # ids of the entries (forward calls) this backward runs: dropped at its end
     draining: bool  # this backward reduces gradients held over no-sync micro-batches: no implicit prefetch
     max_reduce_inputs: int  # set_reduce_scatter_max_input_buffers of the root
@@ -55,19 +51,21 @@ class BackwardWalk:
     # (gloo on a CPU device): ``StepContext.accelerated``.
     accelerated: bool
     where: Callable[[ShardState | None], str]  # rank, unit and step position, for internal errors
-    gather_cursor: int = 0
-    reduce_cursor: int = 0
+    gather_cursor: int = 0  # the next step of ``program.gathers``
+    reduce_cursor: int = 0  # the next step of ``program.reductions``
     reducing: list[ShardState] = field(default_factory=list)  # reductions whose input may be alive, oldest first
     # autograd's id of this backward (``torch._C._current_graph_task_id``: a nested one, a reentrant recompute's,
     # differs); None: nothing is freed early
     graph_task: int | None = None
-    program: Program | None = None  # this backward's collectives (program.py): each one issued is checked against it
+
+    def __post_init__(self) -> None:
+        self.reduce_steps: dict[int, ReduceStep] = {id(step.state): step for step in self.program.reductions}
 
     def gather_for_backward(self, state: ShardState) -> None:
-        """``state`` needs its parameters for backward: issue the backward all-gathers up to it in the agreed order.
+        """``state`` needs its parameters for backward: pass the gather path's steps up to it.
 
-        Each unit the cursor passes is gathered (asynchronously, unless it is ``state``) and its prefetch targets are
-        issued: the next participant in the order, or the explicit ``fc.set_modules_to_backward_prefetch`` list.
+        Each step the cursor passes is gathered (asynchronously, unless it is ``state``) and its prefetch issued: the
+        steps its explicit ``fc.set_modules_to_backward_prefetch`` list placed right after it, else the next step.
         While draining an accumulation window the implicit prefetch is skipped (the next unit's parameters would
         wait through this unit's reduce-scatter on top of every accumulation buffer: the step's peak).
         """
@@ -86,25 +84,29 @@ class BackwardWalk:
             )
         self._advance_gathers(target, needed=state)
         if not record.done and state.unshard_in_backward:
-            self._run("all_gather", state, state.params, state.gather_now)
+            self._gather(state, None, now=True)  # wait for it and copy out (one rank: gather it here)
 
-    def _issue_backward_gather(self, passed: ShardState, *, now: bool) -> None:
+    def _pass(self, step: GatherStep, *, now: bool) -> None:
+        passed = step.state
         record = passed.record
         if not passed.unshard_in_backward:
             record.gathered = True  # its backward reads no parameter: nothing to gather
-        elif now:
-            # Copied out before its prefetch is issued: the prefetch's output then never coexists with this unit's
-            # all-gather output and full parameters (the same all-gathers, in the same order).
+        elif now or not record.gathered:
+            # Needed ``now``: copied out before its prefetch is issued, so the prefetch's output never coexists with
+            # this unit's all-gather output and full parameters (the same all-gathers, in the same order). Prefetched
+            # already: only the wait and the copy-out.
+            self._gather(passed, None if record.gathered else step, now=now)
             record.gathered = True
-            self._run("all_gather", passed, passed.params, passed.gather_now)
-        elif not record.gathered:
-            record.gathered = True
-            self._run("all_gather", passed, passed.params, functools.partial(passed.start_gather, async_op=True))
+        steps = self.program.gathers
         if passed.backward_prefetch is not None:
-            self._prefetch([t for t in passed.backward_prefetch if t.record.position is not None])
+            placed = []
+            while self.gather_cursor < len(steps) and steps[self.gather_cursor].placed:
+                placed.append(steps[self.gather_cursor].state)
+                self.gather_cursor += 1
+            self._prefetch(placed)
         elif not self.draining:
             following = self.gather_cursor  # the cursor already points past ``passed``
-            targets = self.gather_order[following : following + 1]
+            targets = [step.state for step in steps[following : following + 1]]
             point = passed.backward_prefetch_point
             if not targets or not now or not record.reached_here or point == "before":
                 self._prefetch(targets)
@@ -179,13 +181,31 @@ class BackwardWalk:
 
     def _prefetch(self, targets: list[ShardState], *, after_reductions: bool = False) -> None:
         for target in targets:
-            if not target.record.gathered and target.unshard_in_backward:
+            record = target.record
+            if not record.gathered and target.unshard_in_backward and record.position is not None:
                 if after_reductions:
                     # The reduce-scatter this unit is about to issue waits for the older ones anyway (the window):
                     # waiting first keeps them from living next to the prefetched all-gather output.
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
-                target.record.gathered = True
-                self._run("all_gather", target, target.params, functools.partial(target.start_gather, async_op=True))
+                record.gathered = True
+                self._gather(target, self.program.gathers[record.position], now=False)
+
+    def _gather(self, state: ShardState, step: GatherStep | None, *, now: bool) -> None:
+        """Issue the unit's all-gather where its ``step`` lists one (``now``: then wait for it and copy out). Without a
+        step, or where it lists none, only what is local, when wanted ``now``: the wait and copy-out of an earlier
+        issue, or a gather that moves nothing between ranks (one rank, kept-whole parameters only). A collective
+        issued where the step lists none, or none where it lists one, would break the program every rank runs."""
+        params = state.params
+        issued = params.issued
+        if now:
+            state.gather_now()
+        elif step is not None and step.operation is not None:
+            state.start_gather(async_op=True)
+        if (params.issued != issued) != (step is not None and step.operation is not None):
+            listed = "none" if step is None or step.operation is None else str(step.operation)
+            raise internal_error(
+                self.where(state), f"its backward all-gather went against its step of the program (it lists {listed})"
+            )
 
     def call_backward_done(self, state: ShardState) -> None:
         """A ``_PostBackward`` of ``state`` ran: once every call of it this backward runs here has, finish it."""
@@ -213,8 +233,8 @@ class BackwardWalk:
         # the end of its own backward of ``state``; until then it may block only on all-gathers up to ``state`` and
         # reductions before it. So this rank may wait for that all-gather once its reduce cursor is at ``state``
         # (always, in a model run in registration order): else a stream wait could close a cycle between two ranks.
-        cursor = self.reduce_cursor
-        may_wait = cursor < len(self.reduce_order) and self.reduce_order[cursor] is state
+        cursor, steps = self.reduce_cursor, self.program.reductions
+        may_wait = cursor < len(steps) and steps[cursor].state is state
         landing, record.landing = record.landing, []
         for prefetched in landing:
             # Its copy-out (all-gather output next to the full parameters) happens now, not at its pre-backward:
@@ -228,63 +248,54 @@ class BackwardWalk:
         grads = state.grads
         if grads.trainable and grads.input.buffer is None:
             self.make_room()  # a new reduce-scatter input is filled next
-        if record.reduces is None:
+        if not self.reduce_steps[id(state)].reduces:
             grads.accumulate()
         elif grads.trainable:
-            self._run("all_reduce", state, grads, grads.stage)
+            grads.stage()
         held, record.held_prefetch = record.held_prefetch, []
         if held:
             self._prefetch(held, after_reductions=True)
 
     def _advance_gathers(self, target: int, needed: ShardState | None = None) -> None:
-        """Move the gather cursor past position ``target``, issuing every backward all-gather on the way (``needed``
+        """Move the gather cursor past step ``target``, issuing every backward all-gather on the way (``needed``
         synchronously: it is wanted now)."""
         while self.gather_cursor <= target:
-            passed = self.gather_order[self.gather_cursor]
+            step = self.program.gathers[self.gather_cursor]
             self.gather_cursor += 1
-            self._issue_backward_gather(passed, now=passed is needed)
+            self._pass(step, now=step.state is needed)
 
     # ------------------------------------------------------------------ reductions
     def issue_reductions(self, *, final: bool = False) -> None:
-        """Issue reductions in the agreed order as far as their gradients are complete here.
+        """Issue the reduce path's steps in order as far as their gradients are complete here.
 
         A participant this rank's backward does not run is complete by definition (it reduces zeros, or what it
         accumulated) and goes at its turn; one this rank runs waits for its last call's post-backward, or for the
         final callback (``final``), which completes every unit left.
         """
-        while self.reduce_cursor < len(self.reduce_order):
-            state = self.reduce_order[self.reduce_cursor]
-            record = state.record
+        steps = self.program.reductions
+        while self.reduce_cursor < len(steps):
+            step = steps[self.reduce_cursor]
+            state, record = step.state, step.state.record
             if not record.done:
                 if record.reached_here and not final:
                     return  # its gradients may still come
                 self._finish_unit(state)
             grads = state.grads
-            if record.reduces is not None and grads.trainable:
+            if step.reduces and grads.trainable:
                 if grads.state is not GradState.STAGED:
                     if grads.input.buffer is None:
                         self.make_room()
-                    self._run("all_reduce", state, grads, grads.stage)
+                    grads.stage()
                 if not self.accelerated:
                     # The window's wait on CPU (``make_room``): older reductions complete before this one is issued,
                     # also for an input staged in place (an accumulation buffer, filled without ``make_room``): each
                     # in flight holds gloo's copy of its input. On an accelerator the wait came before the filling,
                     # and an accumulation buffer is alive anyway: a wait here would only stall compute.
                     self._wait_for_reductions(keep=self.max_reduce_inputs - 1)
-                all_reduce, synchronising = record.reduces
-                grads.reduce(all_reduce_replicas=all_reduce, synchronising=synchronising)
-                if self.program is not None and state.params.world_size > 1:
-                    self.program.expect("reduce_scatter", state, self.where)
+                grads.reduce(all_reduce_replicas=step.replicas, synchronising=step.synchronising)
                 if grads.state is GradState.REDUCE_SCATTERING:
                     self.reducing.append(state)
             self.reduce_cursor += 1
-
-    def _run(self, kind: str, state: ShardState, issuer: Issuer, call: Callable[[], object]) -> None:
-        """``call()``: a ``kind`` collective it issues (``issuer.issued``) must be the program's next one."""
-        before = issuer.issued
-        call()
-        if self.program is not None and issuer.issued != before:
-            self.program.expect(kind, state, self.where)
 
     def reap(self) -> None:
         """Move the completed reductions on (a check, not a wait), oldest first, up to the first still running: what
@@ -293,7 +304,7 @@ class BackwardWalk:
         for state in self.reducing:
             grads = state.grads
             if not still:
-                self._run("all_reduce", state, grads, functools.partial(grads.advance, only_if_done=True))
+                grads.advance(only_if_done=True)
             if grads.state is GradState.REDUCE_SCATTERING:
                 still.append(state)
         self.reducing = still
@@ -316,26 +327,31 @@ class BackwardWalk:
             oldest = self.reducing[0]
             if self.gather_cursor <= oldest.record.wait_after:
                 return
-            self._run("all_reduce", oldest, oldest.grads, oldest.grads.advance)
+            oldest.grads.advance()
             self.reducing = [s for s in self.reducing if s.grads.state is GradState.REDUCE_SCATTERING]
 
     def issue_rest(self) -> None:
-        """Issue the rest of this backward's collectives in the agreed order (``wait_rest`` completes them): every
-        backward all-gather the cursor has not passed (units this rank never needed; each freed once done), every unit
-        not finished (its post-backward never came here), every reduction left, HSDP's all-reduces over replicas.
-        The final callback and an abandoned step share it, so both issue the same on every rank."""
-        self._advance_gathers(len(self.gather_order) - 1)
-        for state in self.reduce_order:
-            if not state.record.done:
-                self._finish_unit(state)
+        """Issue the rest of the program (``wait_rest`` completes it): every step of the gather path the cursor has not
+        passed (units this rank never needed; each freed once done), every unit not finished (its post-backward never
+        came here), every step of the reduce path left, HSDP's all-reduces over replicas. The final callback and an
+        abandoned step share it, so both issue the same on every rank."""
+        self._advance_gathers(len(self.program.gathers) - 1)
+        for step in self.program.reductions:
+            if not step.state.record.done:
+                self._finish_unit(step.state)
         self.issue_reductions(final=True)
-        for state in self.reduce_order:
-            grads = state.grads
+        for step in self.program.reductions:
+            grads = step.state.grads
             if grads.state is GradState.REDUCE_SCATTERING and grads.spec.dp.replicate_group is not None:
-                self._run("all_reduce", state, grads, grads.advance)  # on CPU after its reduce-scatter's wait
+                grads.advance()  # on CPU after its reduce-scatter's wait
 
     def wait_rest(self) -> None:
         """Wait for every reduction still in flight (they overlapped the rest of backward) and hand the rows out."""
-        for state in self.reduce_order:
-            self._run("all_reduce", state, state.grads, state.grads.finish)
+        for step in self.program.reductions:
+            step.state.grads.finish()
         self.reducing = []
+
+    @property
+    def participants(self) -> list[ShardState]:
+        """The units taking part, in the gather path's order."""
+        return [step.state for step in self.program.gathers]

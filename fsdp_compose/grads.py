@@ -310,7 +310,6 @@ class UnitGradients:
         # FSDP2's set_reduce_scatter_unused_params(True): a parameter no rank had a gradient for gets a zero
         # ``.grad`` instead of keeping None.
         self.zero_unused = False
-        self.issued = 0  # over replicas, so far (the backward walk checks each against the step's program)
         self.accumulating = False  # set by the state each forward: a no-sync micro-batch (gradients kept here)
         # A failed step completes its collectives (every rank must) but hands nothing out: set by
         # ``StepContext.abandon``, cleared by ``discard``.
@@ -525,7 +524,6 @@ class UnitGradients:
                 flight.work = all_reduce_hook(flight.output, replicas)
             else:
                 flight.work = all_reduce(flight.output, replicas, async_op=True)
-        self.issued += 1
         self._to(GradState.ALL_REDUCING)
 
     def finish(self) -> None:

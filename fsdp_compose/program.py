@@ -1,42 +1,40 @@
-"""The step as a program: the schedule every rank derives, the agreement at each backward's first hook, and the
-collectives one forward and one backward issue, in order, per process group.
+"""The step as a program: the schedule every rank derives, and the collectives one forward and one backward issue,
+in order, per process group.
 
 Every rank derives it from data all ranks hold the same — the units in registration order, their groups and settings,
-which parameters train — never from which tensors reached this rank's loss or in which order hooks fired. A backward
-then walks it with two cursors (``backward.BackwardWalk``):
+which parameters train — never from which tensors reached this rank's loss or in which order hooks fired. Which units
+take part in a backward is agreed at its first hook (agreement.py); the backward's program is compiled from that answer
+and from the state the (SPMD) forward left each unit in, and the walk (``backward.BackwardWalk``) runs it: its two
+cursors index the program's two paths.
 
-- the **gather cursor** goes through ``gather_order`` (the root, then the other units in reverse registration order):
-  a unit's backward all-gather is issued when the cursor reaches it, and a unit needed now moves the cursor up to it,
-  issuing every all-gather before it on the way;
-- the **reduce cursor** goes through ``reduce_order`` (reverse registration order, the root last): a unit's
-  reduce-scatter (and HSDP all-reduce) goes out when the cursor reaches it and its gradients are complete here.
+- ``Program.gathers``, the **gather path**: the participants in the gather order (the root, then the other units in
+  reverse registration order), each followed by its explicit ``fc.set_modules_to_backward_prefetch`` targets not
+  reached yet; each step says whether its unit all-gathers, and over which group. The gather cursor issues a step's
+  all-gather when it passes it, and a unit needed now moves the cursor up to it;
+- ``Program.reductions``, the **reduce path**: the participants in reverse registration order, the root last; each
+  step says whether the unit reduces (its reduce-scatter and HSDP all-reduce) or accumulates. The reduce cursor issues
+  a step's reductions when it reaches it and the unit's gradients are complete here.
 
-Which units take part in a backward is agreed at its first hook (agreement.py); the program is compiled from
-that answer.
+The walk decides only *when* (prefetch points, the reduce-scatter window, gradients completing); *what* and *in which
+order* are the program's. A unit whose live state disagrees with its step (an all-gather the step does not list, or
+none where it lists one) is an internal error naming the rank, the unit and the position. ``fc.describe_schedule``
+prints the same compiler's output for a step that runs every unit, and the collective checks fingerprint it, so what
+is printed, what is compared across ranks and what runs are one list.
 
-A backward's program is compiled at its first hook (``StepContext.begin_backward``) from what every rank holds the
-same: the schedule's orders, the units the ranks agreed take part, each unit's settings, and the state the (SPMD)
-forward left each unit in. The walk (``backward.BackwardWalk``) then issues exactly that program: each collective it
-issues is checked against the next one of its process group, and a mismatch is an internal error naming the rank,
-the unit and the position. ``fc.describe_schedule`` prints the same compiler's output for a step that runs every
-unit, and the collective checks fingerprint it, so what is printed, what is compared across ranks and what runs are
-one list.
-
-Why per process group, not one list: all-gathers, reduce-scatters (a group of their own: ``meshes.
-reduce_scatter_group``), replica all-reduces and the step's control all-reduces each go over their own
+Why per process group (``Program.channels``), not one list: all-gathers, reduce-scatters (a group of their own:
+``meshes.reduce_scatter_group``), replica all-reduces and the step's control all-reduces each go over their own
 communicator, where only the relative order within one communicator must match across ranks. Their interleaving
 depends on when gradients complete here, which differs between ranks by design (a unit some ranks do not run
 reduces zeros at its turn, at once).
 
 Each setting that decides a collective is derived here once (``gathers_in_backward`` and friends), from the
-state's own properties: the walk and the printer call the same functions.
+state's own properties: the walk and the printer read the same steps.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,8 +48,10 @@ if TYPE_CHECKING:
     from .state import ShardState
 
 __all__ = [
+    "GatherStep",
     "Operation",
     "Program",
+    "ReduceStep",
     "ScheduledUnit",
     "StepSchedule",
     "agreement_row_size",
@@ -59,7 +59,6 @@ __all__ = [
     "forward_program",
     "gathers",
     "gathers_in_backward",
-    "participant_orders",
     "unit_names",
 ]
 
@@ -206,12 +205,33 @@ class Operation:
         return f"{self.kind}({self.unit}, {self.phase}) over {self.group_size} ranks: {size} x {dtype}"
 
 
+@dataclass(frozen=True)
+class GatherStep:
+    """One unit on a backward's gather path (the module docstring)."""
+
+    state: ShardState
+    operation: Operation | None  # its backward all-gather; None: nothing goes between ranks
+    placed: bool  # an explicit prefetch target of the step before it: issued by that step's prefetch
+
+
+@dataclass(frozen=True)
+class ReduceStep:
+    """One unit on a backward's reduce path."""
+
+    state: ShardState
+    reduces: bool  # its gradients are reduced in this backward (else accumulated): ``ShardState.reduces_now``
+    replicas: bool  # HSDP: all-reduced over replicas after the reduce-scatter (``requires_all_reduce``)
+    synchronising: bool  # ``requires_gradient_sync``
+    operations: list[Operation]  # its reduce-scatter and replica all-reduce (none: one rank, or nothing trainable)
+
+
 @dataclass
 class Program:
-    """Per process group (its name), the collectives in issue order; ``issued`` counts what ran of each."""
+    """Per process group (its name), the collectives in issue order; for a backward, the two paths its walk runs."""
 
     channels: dict[str, list[Operation]] = field(default_factory=dict)
-    issued: dict[str, int] = field(default_factory=dict)
+    gathers: list[GatherStep] = field(default_factory=list)
+    reductions: list[ReduceStep] = field(default_factory=list)
 
     def add(self, operation: Operation) -> None:
         self.channels.setdefault(operation.group, []).append(operation)
@@ -219,37 +239,6 @@ class Program:
     def operations(self) -> list[Operation]:
         """Every operation, channel after channel (each in issue order)."""
         return [op for ops in self.channels.values() for op in ops]
-
-    def check_done(self, where: Callable[[ShardState | None], str]) -> None:
-        """The end of the backward: every operation of the program must have been issued (``where``: the rank and
-        the step's position, asked only for the error)."""
-        left: list[str] = []
-        for name, ops in self.channels.items():
-            left += map(str, ops[self.issued.get(name, 0) :])
-        if left:
-            raise RuntimeError(
-                f"internal error in fsdp_compose: {where(None)}: the backward ended with operations of its program "
-                f"never issued: {'; '.join(left)}; please report it with fc.describe_schedule(model)"
-            )
-
-    def expect(self, kind: str, state: ShardState, where: Callable[[ShardState | None], str]) -> None:
-        """``state`` just issued a ``kind`` collective: it must be the next operation of one of the program's groups
-        (else an internal error naming the rank, the unit and the position)."""
-        for name, ops in self.channels.items():
-            index = self.issued.get(name, 0)
-            if index < len(ops) and ops[index].kind == kind and ops[index].key == id(state):
-                self.issued[name] = index + 1
-                return
-        planned = [
-            str(ops[self.issued.get(name, 0)])
-            for name, ops in self.channels.items()
-            if self.issued.get(name, 0) < len(ops)
-        ]
-        raise RuntimeError(
-            f"internal error in fsdp_compose: {where(state)} issued a {kind} that is not next in the step's program "
-            f"(next per process group: {'; '.join(planned) or 'nothing'}); please report it with "
-            "fc.describe_schedule(model)"
-        )
 
 
 def gathers(state: ShardState) -> bool:
@@ -307,67 +296,54 @@ def backward_program(
     control: tuple[str, int] | None,
     flags: dict[int, bool] | None = None,
 ) -> Program:
-    """One backward's collectives: the agreement, the backward all-gathers, the reductions, the closing word.
+    """One backward: its collectives (the agreement, the backward all-gathers, the reductions, the closing word) and
+    the two paths its walk runs.
 
-    ``participants``: the units the ranks agreed take part (``schedule.units``' order); ``live``: compiled at the
-    backward's first hook from the units' state (else from their settings); ``control``: the agreement's group;
-    ``flags``: id(state) -> its reduce-scatter carries "had a gradient" columns (None: none, as where every
-    trainable parameter gets a gradient on some rank).
+    ``participants``: the units the ranks agreed take part; ``live``: compiled at the backward's first hook from the
+    units' state (else from their settings); ``control``: the agreement's group; ``flags``: id(state) -> its
+    reduce-scatter carries "had a gradient" columns (None: none, as where every trainable parameter gets a gradient
+    on some rank).
     """
     program = Program()
-    control_ops: list[Operation] = []
-    if control is not None:
-        parameters = schedule.parameters
-        group, world = control
-        root = schedule.names[id(schedule.root)]
-        agreement = agreement_row_size(len(schedule.units), parameters, world)
-        control_ops = [
-            Operation("agreement", root, "backward", group, world, torch.int64, agreement, id(schedule.root)),
-            Operation(
-                "closing_word",
-                root,
-                "backward",
-                group,
-                world,
-                torch.int64,
-                agreement_row_size(0, 0, world),
-                id(schedule.root),
-            ),
-        ]
-        program.add(control_ops[0])
-        if live:
-            program.issued[group] = 1  # the agreement went out before its answer could compile this program
     names = schedule.names
     taking_part = set(map(id, participants))
-    gather_order, reduce_order = participant_orders(schedule, taking_part)
-    # The order the gather cursor and its prefetches reach the participants: the gather order, each unit followed by
-    # its explicit ``fc.set_modules_to_backward_prefetch`` targets not reached yet.
+    closing: Operation | None = None
+    if control is not None:
+        group, world = control
+        root, key = names[id(schedule.root)], id(schedule.root)
+        agreement = agreement_row_size(len(schedule.units), schedule.parameters, world)
+        program.add(Operation("agreement", root, "backward", group, world, torch.int64, agreement, key))
+        closing = Operation(
+            "closing_word", root, "backward", group, world, torch.int64, agreement_row_size(0, 0, world), key
+        )
     reached: set[int] = set()
-    for state in gather_order:
-        for target in [state, *(state.backward_prefetch or [])]:
-            if id(target) not in taking_part or id(target) in reached:
-                continue
-            if target is not state and not target.unshard_in_backward:
+    for state in schedule.gather_order:
+        if id(state) not in taking_part:
+            continue
+        targets = [t for t in state.backward_prefetch or [] if id(t) in taking_part and t.unshard_in_backward]
+        for target in [state, *targets]:
+            if id(target) in reached:
                 continue
             reached.add(id(target))
+            operation = None
             if gathers_in_backward(target, live=live, is_root=target is schedule.root):
                 params = target.params
                 grouped = params.state is UnitState.GROUP_SHARDED if live else params.post_forward is not None
-                program.add(_gather(target, names[id(target)], "backward", post_forward=grouped))
-    for state in reduce_order:
-        for operation in reductions(state, names[id(state)], flagged=False if flags is None else flags[id(state)]):
+                operation = _gather(target, names[id(target)], "backward", post_forward=grouped)
+                program.add(operation)
+            program.gathers.append(GatherStep(target, operation, placed=target is not state))
+    for state in schedule.reduce_order:
+        if id(state) not in taking_part:
+            continue
+        operations = reductions(state, names[id(state)], flagged=False if flags is None else flags[id(state)])
+        for operation in operations:
             program.add(operation)
-    for operation in control_ops[1:]:
-        program.add(operation)
+        program.reductions.append(
+            ReduceStep(state, state.reduces_now, state.requires_all_reduce, state.requires_gradient_sync, operations)
+        )
+    if closing is not None:
+        program.add(closing)
     return program
-
-
-def participant_orders(schedule: StepSchedule, taking_part: set[int]) -> tuple[list[ShardState], list[ShardState]]:
-    """A backward's participants (``taking_part``: their ids) in the gather cursor's and the reduce cursor's order:
-    what the program compiles and what the walk steps through."""
-    gather_order = [state for state in schedule.gather_order if id(state) in taking_part]
-    reduce_order = [state for state in schedule.reduce_order if id(state) in taking_part]
-    return gather_order, reduce_order
 
 
 def reductions(state: ShardState, name: str, *, flagged: bool) -> list[Operation]:

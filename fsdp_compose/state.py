@@ -202,13 +202,12 @@ class UnitStepRecord:
     def forget_backward(self, wait_after: int = 0) -> None:
         """The running backward's facts about the unit: set by the step when the backward begins (for every unit of
         the root, ``step._build_walk``), then moved on by its walk (backward.py)."""
-        self.position: int | None = None  # its place in the agreed gather order; None: no part in this backward
+        self.position: int | None = None  # its step on the program's gather path; None: no part in this backward
         self.reached_here = False  # this rank's backward runs the unit
         self.calls_here = 0  # calls of it this backward runs here
         self.awaiting = 0  # post-backward hooks still to fire here (-1: only the final callback knows)
         # The gather position the cursor must have passed before a wait for its reduction may block (``make_room``)
         self.wait_after = wait_after
-        self.reduces: tuple[bool, bool] | None = None  # (all-reduce over replicas, synchronising) if it reduces now
         self.gathered = False  # its backward all-gather was issued (by the cursor or a prefetch)
         self.done = False  # finished here: gradients staged or accumulated
         self.freed_early = 0  # bytes of its full parameters freed early

@@ -48,7 +48,7 @@ from .backward import BackwardWalk
 from .checks import check_ranks_agree
 from .collectives import labelled, side_stream, wait_for_compute
 from .grads import GradState
-from .program import Program, StepSchedule, backward_program, participant_orders, unit_names
+from .program import Program, StepSchedule, backward_program, unit_names
 
 if TYPE_CHECKING:
     from .state import ForwardCall, ShardState
@@ -198,12 +198,7 @@ class StepContext:
         decide_flag_columns(self.states, agreed)
         for state in self.states:
             state.record.recomputes_due = sum(entry.inputs is not None for entry in running_calls[id(state)])
-        walk = self.backward = self._build_walk(agreed.participants, running_calls)
-        # This backward's program (program.py), from its agreed participants and the state the forward left.
-        flags = {id(state): state.grads.next_layout() for state in walk.reduce_order}
-        group = self.agreement_group
-        control = None if group is None else (str(group.group_name), group.size())
-        walk.program = backward_program(self.schedule, walk.gather_order, live=True, control=control, flags=flags)
+        walk = self.backward = self._build_walk(agreed.participants, running_calls, live=True)
         self.programs.append(walk.program)
         self.phase = StepPhase.BACKWARD
         Variable._execution_engine.queue_callback(self._final_callback)
@@ -223,7 +218,7 @@ class StepContext:
             bp.issue_rest()
             # Read before the waits for the reductions in flight: on an accelerator the host then waits for the
             # backward's compute and this small all-reduce only, and the optimizer's kernels queue behind the rest.
-            word = self._closing_word(abandoning=False, program=bp.program).result(also=self.agreement)
+            word = self._closing_word(abandoning=False).result(also=self.agreement)
             agreed = self.agreement.result() if self.agreement is not None else None  # read with the word
             self.agreement = None
             quitting = agreed.quitting if agreed is not None else []
@@ -254,7 +249,7 @@ class StepContext:
                 state.grads.input.flags_needed = True  # what reduces outside a backward cannot know who has what
                 state.grads.delivery.hold = False
                 state.record.recomputes_due = 0
-            for state in bp.gather_order:
+            for state in bp.participants:
                 state.end_backward(bp.consumed)
             # Calls no backward has run yet (pipelined micro-batches, the body under a chunked loss) keep the step
             # waiting for theirs.
@@ -301,30 +296,31 @@ class StepContext:
         self.backward = None
         self.phase = StepPhase.IDLE
 
-    def _closing_word(self, *, abandoning: bool, program: Program | None = None) -> PendingAgreement:
+    def _closing_word(self, *, abandoning: bool) -> PendingAgreement:
         """Issue the word that tells which ranks abandoned this backward after its agreement (an exception inside it,
         then ``fc.reset_step``): one small all-reduce, issued by every rank once its walk has issued everything, before
-        the waits, so it overlaps them (docs/schedule.md, "The end of a step"). Then every operation of the backward's
-        ``program`` has been issued."""
-        word = start_agreement(
+        the waits, so it overlaps them (docs/schedule.md, "The end of a step")."""
+        return start_agreement(
             self.schedule, self.agreement_group, [], abandoning=abandoning, checks=False, expected=[], held=[]
         )
-        if program is not None:
-            if self.agreement_group is not None:
-                program.expect("closing_word", self.root, self._where)
-            program.check_done(self._where)
-        return word
 
-    def _build_walk(self, participants: list[bool], running_calls: dict[int, list[ForwardCall]]) -> BackwardWalk:
-        """The walk of one backward through the agreed participants; ``running_calls``: what this rank runs. Each unit's
-        record gets this backward's facts about it (``UnitStepRecord.forget_backward``)."""
-        takes_part = {id(state) for state, takes in zip(self.states, participants, strict=True) if takes}
-        gather_order, reduce_order = participant_orders(self.schedule, takes_part)
-        reducing = reached = False
+    def _build_walk(
+        self, participants: list[bool], running_calls: dict[int, list[ForwardCall]], *, live: bool
+    ) -> BackwardWalk:
+        """The walk of one backward through its program, compiled from the agreed participants and (``live``) the state
+        the forward left the units in, else their settings; ``running_calls``: what this rank runs. Each unit's record
+        gets this backward's facts about it (``UnitStepRecord.forget_backward``)."""
+        taking_part = [state for state, takes in zip(self.states, participants, strict=True) if takes]
+        flags = {id(state): state.grads.next_layout() for state in taking_part}
+        group = self.agreement_group
+        control = None if group is None else (str(group.group_name), group.size())
+        program = backward_program(self.schedule, taking_part, live=live, control=control, flags=flags)
+        path = [step.state for step in program.gathers]
+        reached = False
         consumed: set[int] = set()
         for state in self.states:
             record = state.record
-            record.forget_backward(wait_after=len(gather_order))
+            record.forget_backward(wait_after=len(path))
             calls = running_calls.get(id(state))
             if calls:
                 # Post-backward hooks it waits for here. A call whose inputs need no gradient has none (its backward's
@@ -335,31 +331,27 @@ class StepContext:
                 record.reached_here = True
                 record.calls_here = len(calls)
                 record.awaiting = len(calls) if observable else -1
-        first: list[int] = []  # per participant in the gather order: the order of its first and last forward call
+        first: list[int] = []  # per step of the gather path: the order of its unit's first and last forward call
         last: list[int] = []
-        for position, state in enumerate(gather_order):
+        for position, state in enumerate(path):
             record = state.record
             record.position = position
-            if state.reduces_now:
-                record.reduces = (state.requires_all_reduce, state.requires_gradient_sync)
-                reducing = True
             seqs = [entry.seq for entry in (*record.entries, *record.ran)]
             first.append(min(seqs, default=-1))
             last.append(max(seqs, default=-1))
         # Per participant ``v``: the last gather position among ``v`` and every participant with a forward call after
         # ``v``'s first one (its backward may come before ``v``'s gradients are complete, on any rank).
-        for index, state in enumerate(gather_order):
+        for index, state in enumerate(path):
             if first[index] < 0:
                 continue  # no call recorded here: wait only once every gather is out (forget_backward's default)
             wait_after = index
-            for position in range(index + 1, len(gather_order)):
+            for position in range(index + 1, len(path)):
                 if last[position] > first[index]:
                     wait_after = position
             state.record.wait_after = wait_after
-        self.draining = self.gradients_held and reducing
+        self.draining = self.gradients_held and any(step.reduces for step in program.reductions)
         return BackwardWalk(
-            gather_order=gather_order,
-            reduce_order=reduce_order,
+            program=program,
             consumed=consumed,
             draining=self.draining,
             max_reduce_inputs=self.root.max_reduce_inputs,
@@ -374,19 +366,15 @@ class StepContext:
         After a loss that raised here the units are where the others' are at the start of their backward (the same
         forward ran). After a forward that raised here (``replayed``), they are put where the others' finished
         forward leaves them: resharded where they reshard after forward (their backward all-gather comes in the
-        walk); kept where they keep their parameters (the walk then issues no backward all-gather for them, also
-        where this rank's failed forward freed them)."""
+        walk); kept where they keep their parameters: the program is then compiled from the settings, as the others'
+        forward left their units, so it lists no backward all-gather for those, also where this rank's failed forward
+        freed them."""
         if replayed:
             for state in self.states:
                 if state.reshard_after_forward and not state.params.explicit:
                     state.params.reshard()
         decide_flag_columns(self.states, agreed)
-        walk = self._build_walk(agreed.participants, {})
-        if replayed:
-            for state in walk.gather_order:
-                if not state.reshard_after_forward:
-                    state.record.gathered = True
-        return walk
+        return self._build_walk(agreed.participants, {}, live=not replayed)
 
     def reset(self) -> None:
         """``fc.reset_step``: forget the current step (held no-sync gradients too) and reshard every unit.

@@ -151,7 +151,7 @@ class UnitParams:
         # SHARDED with the full parameters of the last gather kept, in this dtype (``park``): the next gather in it
         # takes them back without a collective while the shards are unchanged
         self.parked: torch.dtype | None = None
-        self.issued = 0  # all-gathers issued so far (the backward walk checks each against the step's program)
+        self.issued = 0  # all-gathers issued so far (the backward walk checks each against its program step)
 
     def __repr__(self) -> str:
         """What this unit is: its modules, mesh, parameters (global and local sizes), dtypes and state."""

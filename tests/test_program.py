@@ -1,7 +1,7 @@
 """The step as a program (fsdp_compose/program.py): what a backward issues is what its program lists.
 
-The engine checks each collective it issues against the program (an internal error otherwise). These tests check
-it from outside: every collective torch.distributed sees during each backward (``fc.CollectiveRecorder``), per
+The walk runs the program's two paths (and checks each unit's all-gather against its step). These tests check it
+from outside: every collective torch.distributed sees during each backward (``fc.CollectiveRecorder``), per
 process group and in order, equals the program compiled for that backward (kind, group size, dtype, elements), on
 every rank, for every graph shape of tests/test_graph_shapes.py. And the program ``fc.describe_schedule`` prints
 before any step runs is what a plain step issues.
@@ -44,9 +44,9 @@ def _backwards_recorded() -> Iterator[tuple[list[Program], fc.CollectiveRecorder
         recorder.label = f"backward {len(programs) - 1}"
         return program
 
-    def closed(step: Any, *, abandoning: bool, program: Program | None = None) -> list[int]:
+    def closed(step: Any, *, abandoning: bool) -> list[int]:
         try:
-            return close(step, abandoning=abandoning, program=program)  # type: ignore[return-value]
+            return close(step, abandoning=abandoning)  # type: ignore[return-value]
         finally:
             recorder.label = ""
 
@@ -167,3 +167,47 @@ def test_the_printed_program_is_what_a_step_issues(run_dist, ws: int, hsdp: bool
         assert result["same"], (rank, "\n".join(result["full"]), "\n".join(result["lines"]))
         for line in result["lines"]:
             assert line in result["printed"], (rank, line, result["printed"])
+
+
+def _step_against_a_wrong_program(rank: int, ws: int, which: str) -> str:
+    """One step whose compiled program is wrong about one unit: ``block`` (blocks.0 listed with no backward
+    all-gather, though it reshards after forward) or ``root`` (the root listed with one, though it keeps its
+    parameters)."""
+    import fsdp_compose.program as program_module
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_layers=2, n_heads=4)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    mesh = mesh_1d(ws)
+    for block in model.blocks:
+        fc.fully_shard(block, mesh=mesh)
+    fc.fully_shard(model, mesh=mesh)
+    wrong_about = model.blocks[0] if which == "block" else model
+    honest = program_module.gathers_in_backward
+
+    def misled(state: Any, *, live: bool, is_root: bool = False) -> bool:
+        if live and state.modules[0] is wrong_about:
+            return which == "root"
+        return honest(state, live=live, is_root=is_root)
+
+    inputs, targets = synthetic_batch(cfg, 2 * ws, 0)
+    loss = loss_fn(model(local_batch(inputs, rank, ws)), local_batch(targets, rank, ws))
+    program_module.gathers_in_backward = misled  # type: ignore[assignment]
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        program_module.gathers_in_backward = honest
+    return "no error"
+
+
+@pytest.mark.parametrize("which", ["block", "root"])
+def test_a_unit_against_its_program_step_is_an_internal_error(run_dist, which: str) -> None:
+    """The walk runs the program: where a unit's live state needs an all-gather its step does not list (or lists one
+    the unit does not need), every rank raises the same internal error naming the unit, before the collective could
+    mismatch the other ranks'."""
+    unit = "unit Block (position 1)" if which == "block" else "unit GPT (position 0)"
+    listed = "lists none" if which == "block" else "lists all_gather"
+    for rank, message in enumerate(run_dist(2, _step_against_a_wrong_program, which)):
+        assert "internal error" in message and unit in message and listed in message, (rank, message)

@@ -366,6 +366,19 @@ def _root(mesh: DeviceMesh) -> DeviceMesh:
     return mesh._get_root_mesh()  # torch >= 2.10 (compat.MIN_TORCH)
 
 
+def _combined_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh of a sharded TP (or EP) parameter: the data-parallel dims, then the parameter's own, related by the
+    ranks they hold (their layouts over one world), not by the names of a common root: torchtitan's meshes are slices
+    of several splits of one 1-D world mesh, none of which holds every name. The dims keep their process groups.
+    None where they do not compose (unnamed, from different worlds, or overlapping ranks)."""
+    if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        return None
+    try:
+        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    except RuntimeError:
+        return None
+
+
 def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str, shard_dim: int = 0) -> ParamPlacing:
     """The placing of ``param`` under ``dp_mesh``; raises a clear error for a DTensor FSDP cannot compose with."""
     if not isinstance(param, DTensor):
@@ -377,17 +390,16 @@ def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str
             f"parameter '{fqn}' of {owner} is tensor parallel on mesh dims {tp_names}, which the data-parallel mesh "
             f"{dp_names} includes; pass only the data-parallel part to fully_shard, e.g. mesh['dp']"
         )
-    root = _root(dp_mesh)
-    root_names = root.mesh_dim_names or ()
-    # Compared by value: torch may hand a TP parameter an equal mesh object from another (equal) root.
-    if dp_names is None or tp_names is None or not set(tp_names) <= set(root_names) or root[tp_names] != tp_mesh:
+    spmd_mesh = _combined_mesh(dp_mesh, tp_mesh)
+    if spmd_mesh is None:
         raise ValueError(
-            f"parameter '{fqn}' of {owner} is a DTensor on a mesh {tp_names or tp_mesh} that does not share a root "
-            f"mesh with the data-parallel mesh {dp_names or dp_mesh}; build both from one "
-            'init_device_mesh(..., mesh_dim_names=("dp", "tp")) and pass mesh["dp"] to fully_shard'
+            f"parameter '{fqn}' of {owner} is a DTensor on a mesh {tp_names or tp_mesh} whose ranks do not compose "
+            f"with the data-parallel mesh {dp_names or dp_mesh} (each must be a named slice of one world: every "
+            "data-parallel group crossing every group of the parameter's mesh once); build both from one "
+            'init_device_mesh(..., mesh_dim_names=("dp", "tp")), or by splitting one world mesh, and pass mesh["dp"] '
+            "to fully_shard"
         )
     _check_composable_dtensor(fqn, param, owner, "tensor-parallel placement", "keep it out of tensor parallel")
-    spmd_mesh = root[tuple(dp_names) + tuple(tp_names)]
     return ParamPlacing(
         param.shape,
         tuple(param.stride()),

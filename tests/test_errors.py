@@ -98,19 +98,25 @@ def _errors_at_shard_time(rank: int, ws: int) -> None:
     fc.fully_shard(counted, mesh=mesh, ignored_params={counted.steps})
     assert not isinstance(counted.steps, DTensor)
 
-    # a tensor-parallel parameter on a mesh that does not share a root with the data-parallel mesh
-    other_root = mesh_nd((ws, 1), ("dp_other", "tp_other"))
+    # a tensor-parallel parameter on a mesh over the data-parallel mesh's own ranks (another init_device_mesh): the
+    # ranks do not compose; at one rank they do (both meshes are that rank)
+    other_root = mesh_nd((1, ws), ("dp_other", "tp_other"))
+    named = mesh_nd((ws,), ("dp",))
     tp_like = nn.Linear(4, 4)
     tp_like.weight = nn.Parameter(distribute_tensor(torch.randn(4, 4), other_root["tp_other"], [Shard(0)]))
     before = _snapshot(tp_like)
-    _expect(
-        ValueError,
-        "'weight' of Linear is a DTensor on a mesh .* does not share a root",
-        fc.fully_shard,
-        tp_like,
-        mesh=mesh,
-    )
-    _assert_untouched(tp_like, before)
+    if ws > 1:
+        _expect(
+            ValueError,
+            "'weight' of Linear is a DTensor on a mesh .* whose ranks do not compose",
+            fc.fully_shard,
+            tp_like,
+            mesh=named,
+        )
+        _assert_untouched(tp_like, before)
+    else:
+        fc.fully_shard(tp_like, mesh=named)
+        assert tp_like.weight.device_mesh.mesh_dim_names == ("dp", "tp_other")
 
 
 def _errors_from_nesting(rank: int, ws: int) -> None:

@@ -79,7 +79,7 @@ def _states(module: nn.Module, recurse: bool, function: str) -> list[ShardState]
     _check_module(module, function)
     _check_bool(recurse, "recurse", function)
     if not recurse:
-        return [_require_state(module, function)]
+        return _require_state(module, function).members
     states = states_under(module)
     if not states:
         raise ValueError(
@@ -96,8 +96,9 @@ class UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        self._state.params.finish()
-        hook_gradients(self._state)
+        for member in self._state.members:
+            member.params.finish()
+            hook_gradients(member)
 
 
 def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | None:
@@ -109,8 +110,9 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
     _check_bool(async_op, "async_op", "unshard")
     state = _require_state(module, "unshard")
     # picks up parameters replaced since the last step first
-    state.start_gather(async_op=async_op, after_writes=outside_step(state.step))
-    state.params.explicit = True
+    for member in state.members:
+        member.start_gather(async_op=async_op, after_writes=outside_step(state.step))
+        member.params.explicit = True
     handle = UnshardHandle(state)
     if async_op:
         return handle
@@ -120,7 +122,8 @@ def unshard(module: nn.Module, *, async_op: bool = False) -> UnshardHandle | Non
 
 def reshard(module: nn.Module) -> None:
     """Free the module's own full parameters and register the sharded ones again (no communication)."""
-    _require_state(module, "reshard").params.reshard()
+    for member in _require_state(module, "reshard").members:
+        member.params.reshard()
 
 
 def set_collective_checks(module: nn.Module, enabled: bool = True) -> None:
@@ -230,7 +233,7 @@ def _state_list(modules: Iterable[nn.Module], function: str) -> list[ShardState]
     for index, m in enumerate(listed):
         if not isinstance(m, nn.Module):
             raise TypeError(f"fc.{function}: entry {index} of modules is a {type(m).__name__}, not an nn.Module")
-    return [_require_state(m, function) for m in listed]
+    return [member for m in listed for member in _require_state(m, function).members]
 
 
 def set_modules_to_forward_prefetch(module: nn.Module, modules: Iterable[nn.Module]) -> None:

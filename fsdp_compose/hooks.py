@@ -87,7 +87,8 @@ def register_hooks(state: ShardState) -> None:
 
 def _reshard(state: ShardState, *unused: Any) -> None:
     """Before ``state_dict`` / ``load_state_dict``: the module's parameters are its sharded DTensors again."""
-    state.params.reshard()
+    for member in state.members:
+        member.params.reshard()
 
 
 # ---------------------------------------------------------------------- the forward
@@ -95,7 +96,8 @@ def _reshard(state: ShardState, *unused: Any) -> None:
 def pre_forward(
     state: ShardState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    if state.host is not None:
+    members = state.members
+    if any(member.host is not None for member in members):
         raise RuntimeError(
             f"fsdp_compose: unit {state.params.owner_name} is in host memory (fc.move_to_host); call "
             "fc.move_to_device(model) before a forward"
@@ -107,13 +109,16 @@ def pre_forward(
             # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
             # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
             walk = step.backward if step is not None else None
-            if walk is not None:
-                walk.gather_for_backward(state)
-            else:
-                # no step yet, or a backward that began under another root (nested roots)
-                state.gather_now(after_writes=outside_step(step))
-            hook_gradients(state)
+            for member in reversed(members):  # the gather order
+                if walk is not None:
+                    walk.gather_for_backward(member)
+                else:
+                    # no step yet, or a backward that began under another root (nested roots)
+                    member.gather_now(after_writes=outside_step(step))
+                hook_gradients(member)
             reentrant = state.enter_recompute(module)
+            for sibling in state.siblings:
+                sibling.enter_recompute(module)
             args, kwargs = cast_inputs(state, module, args, kwargs, state.compute_dtype(module))
             if reentrant:
                 args, kwargs = _wrap_inputs(state, args, kwargs, ForwardCall(), per_input=False)
@@ -125,12 +130,14 @@ def pre_forward(
         compute_dtype = state.compute_dtype(module)
         if not record.opened or id(module) not in record.pending_modules:
             # first call of this unit since it closed, or a module run again
-            state.open_for_forward(module, compute_dtype, after_writes=outside_step(step))
-            hook_gradients(state)
+            for member in members:
+                member.open_for_forward(module, compute_dtype, after_writes=outside_step(step))
+                hook_gradients(member)
             if step is not None:
-                step.prefetch_forward(state)
+                step.prefetch_forward(members[-1])
         entry = ForwardCall(step.next_call_number() if step is not None else 0)
-        state.enter_call(module, entry)
+        for member in members:
+            member.enter_call(module, entry)
         args, kwargs = cast_inputs(state, module, args, kwargs, compute_dtype)
         if torch.is_grad_enabled():
             args, kwargs = _wrap_inputs(state, args, kwargs, entry)
@@ -148,7 +155,10 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
             return output  # activation-checkpoint recompute: the original forward's hooks serve its backward
         record = state.record
         step = state.step if state.root is state else None
+        members = state.members
         entry = state.leave_call(module)
+        for sibling in state.siblings:
+            sibling.leave_call(module)
         if entry is None:
             if step is not None and output is None and record.active == 0:
                 step.end_forward(raised=True)  # the root's forward raised before any unit call ended
@@ -164,10 +174,14 @@ def post_forward(state: ShardState, module: nn.Module, args: Any, output: Any) -
             replacement = {id(tensor): _PreBackward.apply(state, tensor) for tensor in needing}
             entry.pre += [weakref.ref(hooked.grad_fn) for hooked in replacement.values()]
             output = map_tensors(lambda t: replacement.get(id(t), t), output)
-            state.expect_backward(entry)
+            for member in members:
+                member.expect_backward(entry)
         elif entry.inputs is not None and not (grad_enabled and tensors_in(output)):
-            record.entries.append(entry)  # recomputed in backward (reentrant checkpoint): resharded until then
-        state.close_if_done()
+            # recomputed in backward (reentrant checkpoint): resharded until then
+            for member in members:
+                member.record.entries.append(entry)
+        for member in members:
+            member.close_if_done()
         if step is not None and record.active == 0:
             step.end_forward(raised=output is None)
         return output
@@ -181,15 +195,19 @@ def pre_backward(state: ShardState, node: object = None) -> None:
         if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
             raise compiled_autograd_error(state.params.owner_name)  # before the unit issues any collective of it
         step = state.step
+        members = state.members
         if step is not None and not state.unshard_in_backward:
-            check_backward_reads_none_of(state.params.owner_name, node, state.params.shards.params)
+            check_backward_reads_none_of(
+                state.params.owner_name, node, [mp for member in members for mp in member.params.shards.params]
+            )
         if step is not None:
             step.begin_backward(node)
-        if step is not None and step.backward is not None:
-            step.backward.gather_for_backward(state)
-        else:
-            state.gather_now(after_writes=outside_step(step))
-        hook_gradients(state)
+        for member in reversed(members):  # the gather order
+            if step is not None and step.backward is not None:
+                step.backward.gather_for_backward(member)
+            else:
+                member.gather_now(after_writes=outside_step(step))
+            hook_gradients(member)
 
 
 @_outside_compile
@@ -199,7 +217,8 @@ def post_backward(state: ShardState) -> None:
     walk = step.backward if step is not None else None
     if walk is not None:
         with labelled(f"fsdp_compose::post_backward[{state.params.owner_name}]"):
-            walk.call_backward_done(state)
+            for member in reversed(state.members):  # the reduce order
+                walk.call_backward_done(member)
 
 
 def outside_step(step: StepContext | None) -> bool:
@@ -353,12 +372,15 @@ def _hook_transformed_outputs(state: ShardState, found: list[torch.Tensor], entr
     hooks, and the call counts as run by every backward until one runs (its reach cannot be asked)."""
     record = state.record
     plain = tensors_in([p for t in found for p in autograd_tensors(t)], requiring_grad=True)
+    members = state.members
     if plain:
         entry.always = True
         for tensor in plain:
             tensor.register_hook(lambda grad: pre_backward(state))
-        state.expect_backward(entry)
-    state.close_if_done()
+        for member in members:
+            member.expect_backward(entry)
+    for member in members:
+        member.close_if_done()
     step = state.step
     if step is not None and state.root is state and record.active == 0:
         step.end_forward()

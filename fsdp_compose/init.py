@@ -25,6 +25,7 @@ from .flat import MOVED_ATTR, OWNER_ATTR
 from .hooks import register_hooks
 from .integrations.fsdp2 import bind_fsdp2_methods
 from .meshes import (
+    ParamPlacing,
     check_dp_mesh,
     dp_mesh_from_dims,
     param_placing,
@@ -63,7 +64,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: MixedPrecisionPolicy | torch_fsdp.MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy | torch_fsdp.OffloadPolicy = OffloadPolicy(),
     ignored_params: nn.Parameter | Iterable[nn.Parameter] | None = None,
@@ -77,8 +78,10 @@ def fully_shard(
 
     The module keeps its class; its parameters become ``nn.Parameter(DTensor)`` with placement ``Shard(0)``, the
     local shard being this rank's ``torch.chunk`` of dim 0. ``shard_placement_fn(param)`` may pick another dim per
-    parameter: ``Shard(k)`` (negative ``k`` counts from the end; sizes need not divide) or None for dim 0. Call it on
-    submodules first (e.g. every transformer
+    parameter: ``Shard(k)`` (negative ``k`` counts from the end; sizes need not divide) or None for dim 0, or FSDP2's
+    ``ShardPlacementResult`` to shard it over another data-parallel mesh as well (a mixture of experts' expert weights
+    over their expert-FSDP mesh): the parameters of each mesh are gathered and reduced as a unit of their own, right
+    after this call's (docs/composition.md, "Mixture of experts"). Call it on submodules first (e.g. every transformer
     block), then on the root: each call's unit holds the parameters not already held by a sharded submodule.
     A list of modules shares one unit (gathered once before the first of them runs).
 
@@ -132,30 +135,37 @@ def fully_shard(
         )
     ignored = _ignored_ids(ignored_params, modules, owner_name)
 
-    check_offload_policy(offload_policy, mesh, owner_name)
     params, lifts, managed = _collect_params(modules, ignored, owner_name)
     device = _mesh_device(mesh)
-    shard_dims = _check_params(params, shard_placement_fn, owner_name)
-    _check_unit_kind(
-        params,
-        owner_name,
-        mesh,
-        reshard_after_forward=reshard_after_forward,
-        extensions=extensions,
-        offload_policy=offload_policy,
-        dp_mesh_dims=dims,
-    )
-    if dims is not None:
-        assert spmd_mesh is not None
-        sharded_mesh = spmd_sharded_mesh(spmd_mesh, dims, mesh)  # one mesh for every parameter of the unit
-        placings = [
-            spmd_param_placing(fqn, p, spmd_mesh, dims, owner_name, dim, sharded_mesh)
-            for (fqn, p, _), dim in zip(params, shard_dims, strict=True)
-        ]
-    else:
-        placings = [
-            param_placing(fqn, p, mesh, owner_name, dim) for (fqn, p, _), dim in zip(params, shard_dims, strict=True)
-        ]
+    shard_dims, param_meshes = _check_params(params, shard_placement_fn, owner_name)
+    groups = _mesh_groups(mesh, params, shard_dims, param_meshes)
+    if len(groups) > 1:
+        _check_mesh_groups(groups, owner_name, reshard_after_forward=reshard_after_forward, dp_mesh_dims=dims)
+    placings_of: list[list[ParamPlacing]] = []
+    for group_mesh, group_params, group_dims in groups:
+        check_offload_policy(offload_policy, group_mesh, owner_name)
+        _check_unit_kind(
+            group_params,
+            owner_name,
+            group_mesh,
+            reshard_after_forward=reshard_after_forward,
+            extensions=extensions,
+            offload_policy=offload_policy,
+            dp_mesh_dims=dims,
+        )
+        if dims is not None:
+            assert spmd_mesh is not None
+            sharded_mesh = spmd_sharded_mesh(spmd_mesh, dims, mesh)  # one mesh for every parameter of the unit
+            placings = [
+                spmd_param_placing(fqn, p, spmd_mesh, dims, owner_name, dim, sharded_mesh)
+                for (fqn, p, _), dim in zip(group_params, group_dims, strict=True)
+            ]
+        else:
+            placings = [
+                param_placing(fqn, p, group_mesh, owner_name, dim)
+                for (fqn, p, _), dim in zip(group_params, group_dims, strict=True)
+            ]
+        placings_of.append(placings)
 
     # Everything is validated: from here on the model changes.
     for m in modules:
@@ -163,27 +173,33 @@ def fully_shard(
     owners_of = {id(p): owners for _, p, owners in params}
     for child_state, param in lifts:  # tied parameters move up from a submodule's unit into this one
         owners_of[id(param)].extend(child_state.release(param))
-    unit_params = UnitParams(
-        params,
-        placings,
-        mesh,
-        device,
-        owner_name,
-        mp_policy=mp_policy,
-        frozen_params=frozen_params,
-        extensions=extensions,
-        offload_policy=offload_policy,
-        post_forward=post_forward_group_for(reshard_after_forward, mesh),
-    )
-    state = ShardState(
-        tuple(modules),
-        unit_params,
-        mesh,
-        device,
-        reshard_after_forward,
-        mp_policy,
-        auto_refresh_trainable,
-    )
+    members = []
+    for (group_mesh, group_params, _), placings in zip(groups, placings_of, strict=True):
+        label = "" if group_mesh is mesh else f"on {group_mesh.mesh_dim_names}"
+        unit_params = UnitParams(
+            group_params,
+            placings,
+            group_mesh,
+            device,
+            f"{owner_name} {label}" if label else owner_name,
+            mp_policy=mp_policy,
+            frozen_params=frozen_params,
+            extensions=extensions,
+            offload_policy=offload_policy,
+            post_forward=post_forward_group_for(reshard_after_forward, group_mesh),
+        )
+        member = ShardState(
+            tuple(modules),
+            unit_params,
+            group_mesh,
+            device,
+            reshard_after_forward,
+            mp_policy,
+            auto_refresh_trainable,
+        )
+        member.mesh_label = label
+        members.append(member)
+    state, state.siblings = members[0], members[1:]
     for m in modules:
         m.__dict__[STATE_ATTR] = state
     _mark_managed(managed)
@@ -459,10 +475,11 @@ def _collect_params(
 
 def _check_params(
     params: list[_ParamEntry],
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     owner_name: str,
-) -> list[int]:
-    """Raise for parameters fully_shard cannot take; return the dim each one is sharded on."""
+) -> tuple[list[int], list[DeviceMesh | None]]:
+    """Raise for parameters fully_shard cannot take; return the dim each one is sharded on, and the data-parallel
+    mesh ``shard_placement_fn`` gave it (None: the call's)."""
     devices = {p.device for _, p, _ in params}
     if len(devices) > 1:
         listing = ", ".join(f"'{fqn}' on {p.device}" for fqn, p, _ in params[:8])
@@ -489,10 +506,17 @@ def _check_params(
                 "into a submodule and call fully_shard on that submodule first, or pass it in ignored_params (then "
                 "its gradient is not reduced)"
             )
+    meshes: list[DeviceMesh | None] = [None] * len(params)
     if shard_placement_fn is None:
         dims = [0] * len(params)
     else:
-        dims = [_shard_dim(fqn, param, shard_placement_fn(param), owner_name) for fqn, param, _ in params]
+        dims = []
+        for index, (fqn, param, _) in enumerate(params):
+            placement = shard_placement_fn(param)
+            if type(placement).__name__ == "ShardPlacementResult":
+                meshes[index] = _placement_mesh(fqn, placement, owner_name)
+                placement = placement.placement
+            dims.append(_shard_dim(fqn, param, placement, owner_name))
     for (fqn, param, _), dim in zip(params, dims, strict=True):
         local = param._local_tensor if isinstance(param, DTensor) else param
         if has_fsdp_hooks(local):
@@ -509,7 +533,54 @@ def _check_params(
             # shard before the first gather (else it then trains as a plain parameter: FlatShard.read_hooks). So
             # it must be shardable as a protocol parameter.
             check_subclass_param(fqn, param, owner_name, dim, hooks_required=False)
-    return dims
+    return dims, meshes
+
+
+def _placement_mesh(fqn: str, result: Any, owner_name: str) -> DeviceMesh:
+    """The data-parallel mesh of FSDP2's ``ShardPlacementResult`` (its ``mesh_info.mesh``), checked as a
+    ``fully_shard`` mesh."""
+    mesh = getattr(getattr(result, "mesh_info", None), "mesh", None)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"shard_placement_fn returned a ShardPlacementResult for '{fqn}' of {owner_name} whose mesh_info has no "
+            f"DeviceMesh (got {type(mesh).__name__}); build it with FSDP2's FSDPMeshInfo(mesh=..., shard_mesh_dim=...)"
+        )
+    check_dp_mesh(mesh, f"'{fqn}' of {owner_name} (its ShardPlacementResult's mesh)")
+    return mesh
+
+
+_MeshGroup = tuple[DeviceMesh, list["_ParamEntry"], list[int]]
+
+
+def _mesh_groups(
+    mesh: DeviceMesh, params: list[_ParamEntry], dims: list[int], meshes: list[DeviceMesh | None]
+) -> list[_MeshGroup]:
+    """The parameters per data-parallel mesh, in the order of registration: the call's mesh first (its group may be
+    empty: the unit then holds only the hooks), then each other mesh in the order its first parameter comes."""
+    groups: dict[DeviceMesh, _MeshGroup] = {mesh: (mesh, [], [])}
+    for entry, dim, param_mesh in zip(params, dims, meshes, strict=True):
+        key = mesh if param_mesh is None or param_mesh == mesh else param_mesh
+        group = groups.setdefault(key, (key, [], []))
+        group[1].append(entry)
+        group[2].append(dim)
+    return list(groups.values())
+
+
+def _check_mesh_groups(
+    groups: list[_MeshGroup], owner_name: str, *, reshard_after_forward: bool | int | None, dp_mesh_dims: object
+) -> None:
+    """Raise for settings a unit with a mesh per parameter cannot combine with (before anything is touched)."""
+    meshes = ", ".join(str(group_mesh.mesh_dim_names or group_mesh.shape) for group_mesh, _, _ in groups)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard on {owner_name}: reshard_after_forward={reshard_after_forward} (a group size) with a mesh "
+            f"per parameter ({meshes}) is not supported; use True or False"
+        )
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard on {owner_name}: dp_mesh_dims with a mesh per parameter ({meshes}) is not supported; pass "
+            "the data-parallel mesh as mesh="
+        )
 
 
 def _check_unit_kind(
@@ -571,15 +642,9 @@ def _shard_dim(fqn: str, param: nn.Parameter, placement: object, owner_name: str
         return dim
     if placement is None:
         return 0
-    if type(placement).__name__ == "ShardPlacementResult":
-        raise NotImplementedError(
-            f"shard_placement_fn returned a ShardPlacementResult for '{fqn}' of {owner_name}; a mesh per parameter "
-            "is not supported: return Shard(dim) (or None) to shard it on this call's mesh, or call fc.fully_shard "
-            "on a submodule holding it first, with mesh= the mesh it should use"
-        )
     raise TypeError(
         f"shard_placement_fn returned {placement!r} for '{fqn}' of {owner_name}; it must return Shard(dim) to shard "
-        "the parameter on that dim, or None for dim 0"
+        "the parameter on that dim, None for dim 0, or FSDP2's ShardPlacementResult for another mesh"
     )
 
 

@@ -89,7 +89,8 @@ def unit_names(root_module: nn.Module, states: list[ShardState]) -> dict[int, st
     found = {}
     for state in states:
         names = [paths.get(id(m), type(m).__name__) for m in state.modules]
-        found[id(state)] = names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
+        name = names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
+        found[id(state)] = f"{name} {state.mesh_label}" if state.mesh_label else name
     return found
 
 

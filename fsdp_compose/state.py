@@ -61,14 +61,15 @@ def reshards_after_forward(setting: bool | int | None, *, is_root: bool) -> bool
 
 
 def states_under(module: nn.Module) -> list[ShardState]:
-    """Every state on ``module`` and its submodules, in pre-order, each once (a list-form state appears once)."""
+    """Every state on ``module`` and its submodules, in pre-order, each once (a list-form state appears once), each
+    followed by its siblings (the parameters of one ``fully_shard`` call on other meshes)."""
     seen: set[int] = set()
     found = []
     for sub in module.modules():
         state = sub.__dict__.get(STATE_ATTR)
         if state is not None and id(state) not in seen:
             seen.add(id(state))
-            found.append(state)
+            found += state.members
     return found
 
 
@@ -264,6 +265,16 @@ class ShardState:
         self.gather_stream: torch.Stream | None = None
         self.record = UnitStepRecord()
         self.host: HostCopies | None = None  # fc.move_to_host: its storages are in host memory, no forward until back
+        # A mesh per parameter (``shard_placement_fn`` returning FSDP2's ``ShardPlacementResult``): the parameters of
+        # this call on other data-parallel meshes, each group a unit of its own on the same modules, right after this
+        # one in every order (``states_under``). Only this state is on the modules; its hooks run every member's part.
+        self.siblings: list[ShardState] = []
+        self.mesh_label = ""  # a sibling's: names its mesh beside the modules' paths (``program.unit_names``)
+
+    @property
+    def members(self) -> list[ShardState]:
+        """This unit and its siblings (the module docstring of hooks.py: one call's hooks run all of them)."""
+        return [self, *self.siblings]
 
     # ------------------------------------------------------------------ root and settings as they act
     @property
@@ -520,6 +531,7 @@ class ShardState:
         new.grads = UnitGradients(new.params.reduce_spec(), new.params.shards.params)
         new.grads.take_settings(self.grads)
         new.modules = tuple(copy.deepcopy(m, memo) for m in self.modules)
+        new.siblings = [copy.deepcopy(sibling, memo) for sibling in self.siblings]
         new.forward_prefetch = copy.deepcopy(self.forward_prefetch, memo)
         new.backward_prefetch = copy.deepcopy(self.backward_prefetch, memo)
         new.root = None

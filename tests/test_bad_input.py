@@ -147,10 +147,10 @@ SHARD_CASES: dict[str, ShardCase] = {
         r"shard_placement_fn returned Replicate\(\) for 'blocks.0.attn.qkv.weight' of GPT; it must return Shard\(dim\)",
         lambda: _shard(m, ws, shard_placement_fn=lambda p: Replicate() if p.shape == (54, 18) else None),
     ),
-    "shard_placement_fn_mesh_per_parameter": lambda m, rank, ws: (
-        NotImplementedError,
-        r"shard_placement_fn returned a ShardPlacementResult for 'head.weight' of GPT; a mesh per parameter is not "
-        r"supported",
+    "shard_placement_fn_mesh_info_without_a_mesh": lambda m, rank, ws: (
+        TypeError,
+        r"shard_placement_fn returned a ShardPlacementResult for 'head.weight' of GPT whose mesh_info has no "
+        r"DeviceMesh \(got NoneType\)",
         lambda: _shard(
             m, ws, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), None) if p is m.head.weight else None
         ),

@@ -138,7 +138,8 @@ def _set_reduce_scatter_max_input_buffers(module: nn.Module, max_input_buffers: 
 
 def _set_unshard_in_backward(module: nn.Module, unshard_in_backward: bool) -> None:
     _check_bool(unshard_in_backward, "unshard_in_backward", "set_unshard_in_backward")
-    api._require_state(module, "set_unshard_in_backward").unshard_in_backward = unshard_in_backward
+    for member in api._require_state(module, "set_unshard_in_backward").members:
+        member.unshard_in_backward = unshard_in_backward
 
 
 # ---------------------------------------------------------------------- accepted and ignored (the docstring says why)

@@ -1,0 +1,170 @@
+"""A mesh per parameter: ``shard_placement_fn`` returning FSDP2's ``ShardPlacementResult`` (a mixture of experts'
+expert weights over their own data-parallel mesh beside the dense ones).
+
+Each block of the test GPT keeps its attention on the call's mesh and puts its MLP on another: an HSDP mesh with a
+shard group of one rank (2 ranks: the MLP replicated), an HSDP mesh with ``Shard(1)`` (4 ranks), and, as torchtitan
+builds them, meshes split from one 1-D world mesh (4 ranks). Trained against a single-process reference on the same
+global batch, side by side with torch's ``fully_shard`` given the same placements (losses and collective counts);
+then trainability, accumulation, bf16 and state dicts on the same model.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import DTensor, Shard
+
+import fsdp_compose as fc
+from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
+from tests.dist_utils import dp_slice, max_param_diff, mesh_nd
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_layers=2, n_heads=4)
+_SPLIT: dict[tuple[Any, ...], tuple[DeviceMesh, DeviceMesh]] = {}  # meshes for the life of a worker process
+
+
+def _meshes(ws: int, kind: str) -> tuple[DeviceMesh, DeviceMesh, Any]:
+    """(the call's mesh, the MLP's mesh, the MLP's FSDP2 mesh info) for ``kind``."""
+    if kind == "hsdp":  # ws // 2 == 1: a shard group of one rank
+        dense, mlp = mesh_nd((ws,), ("fsdp",)), mesh_nd((2, ws // 2), ("replicate", "shard"))
+        return dense, mlp, HSDPMeshInfo(mesh=mlp, shard_mesh_dim=1, replicate_mesh_dim=0)
+    key = (ws, kind)
+    if key not in _SPLIT:  # torchtitan's ParallelDims: every mesh a split of one 1-D world mesh
+        world = mesh_nd((ws,), ("world",))
+        dense = world._unflatten(0, (ws,), ("fsdp",))
+        sparse = world._unflatten(0, (2, ws // 2), ("dp_replicate", "efsdp"))
+        _SPLIT[key] = (dense["fsdp"], sparse["dp_replicate", "efsdp"])
+    dense, mlp = _SPLIT[key]
+    return dense, mlp, HSDPMeshInfo(mesh=mlp, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+
+def _placement_fn(model: GPT, info: Any, dim: int) -> Any:
+    mlp_params = {id(p) for block in model.blocks for p in block.mlp.parameters()}
+
+    def placement(param: nn.Parameter) -> Any:
+        if id(param) in mlp_params:
+            return ShardPlacementResult(placement=Shard(dim if param.ndim > 1 else 0), mesh_info=info)
+        return None
+
+    return placement
+
+
+def _shard(model: GPT, shard: Any, mesh: DeviceMesh, info: Any, dim: int, **kwargs: Any) -> GPT:
+    placement = _placement_fn(model, info, dim)
+    for block in model.blocks:
+        shard(block, mesh=mesh, shard_placement_fn=placement, **kwargs)
+    shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _counted_steps(model: GPT, rank: int, ws: int, steps: int) -> tuple[list[float], list[dict[str, int]], Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, counts = [], []
+    for step in range(steps):
+        inputs, targets = synthetic_batch(CFG, 8, step)
+        with fc.CollectiveRecorder(functional=False) as recorder:
+            loss = loss_fn(model(dp_slice(inputs, rank, ws)), dp_slice(targets, rank, ws))
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        counts.append({k: v for k, v in recorder.counts().items() if k in ("all_gather", "reduce_scatter")})
+    return losses, counts, opt
+
+
+def _trains_like_the_reference(rank: int, ws: int, kind: str) -> dict[str, Any]:
+    mesh, mlp_mesh, info = _meshes(ws, kind)
+    dim = 1 if ws > 2 else 0
+    torch.manual_seed(0)
+    reference = GPT(CFG)
+    model = _shard(copy.deepcopy(reference), fc.fully_shard, mesh, info, dim)
+    theirs = _shard(copy.deepcopy(reference), torch_fully_shard, mesh, info, dim)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        inputs, targets = synthetic_batch(CFG, 8, step)
+        ref_opt.zero_grad()
+        loss_fn(reference(inputs), targets).backward()
+        ref_opt.step()
+    losses, counts, _ = _counted_steps(model, rank, ws, 3)
+    torch_losses, torch_counts, _ = _counted_steps(theirs, rank, ws, 3)
+    fc1 = model.blocks[0].mlp.fc.weight
+    state = fc.get_state(model.blocks[0])
+    assert state is not None
+    return {
+        "diff": max_param_diff(model, reference),
+        "losses": losses,
+        "torch_losses": torch_losses,
+        "counts": counts,
+        "torch_counts": torch_counts,
+        "mlp_mesh": isinstance(fc1, DTensor) and fc1.device_mesh == mlp_mesh,
+        "mlp_placement": str(fc1.placements) if isinstance(fc1, DTensor) else "",
+        "siblings": [s.params.owner_name for s in state.siblings],
+        "schedule": fc.describe_schedule(model),
+    }
+
+
+@pytest.mark.parametrize(("ws", "kind"), [(2, "hsdp"), (4, "hsdp"), (4, "split")])
+def test_a_mesh_per_parameter_trains_like_the_reference_and_torch(run_dist, ws: int, kind: str) -> None:
+    for rank, result in enumerate(run_dist(ws, _trains_like_the_reference, kind)):
+        assert result["diff"] < 1e-5, (rank, result["diff"])
+        assert result["losses"] == pytest.approx(result["torch_losses"], abs=1e-6), (rank, result)
+        for ours, torchs in zip(result["counts"], result["torch_counts"], strict=True):
+            for what in ("all_gather", "reduce_scatter"):
+                assert ours.get(what, 0) <= torchs.get(what, 0), (rank, result["counts"], result["torch_counts"])
+        assert result["mlp_mesh"], (rank, result)
+        if ws > 2:
+            assert "Shard(dim=1)" in result["mlp_placement"], result["mlp_placement"]
+        assert len(result["siblings"]) == 1 and "on (" in result["siblings"][0], result["siblings"]
+        assert "blocks.0 on (" in result["schedule"], result["schedule"]
+
+
+def _features(rank: int, ws: int) -> dict[str, Any]:
+    """Freezing the MLPs' first layer, a no-sync micro-batch, bf16 compute, a full state dict round trip."""
+    mesh, _, info = _meshes(ws, "hsdp")
+    torch.manual_seed(1)
+    reference = GPT(CFG)
+    policy = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _shard(copy.deepcopy(reference), fc.fully_shard, mesh, info, 1, mp_policy=policy)
+    bf16_reference = copy.deepcopy(reference)
+    for block in (*model.blocks, *bf16_reference.blocks):
+        block.mlp.fc.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in bf16_reference.parameters() if p.requires_grad], lr=0.1)
+    for step in range(2):
+        inputs, targets = synthetic_batch(CFG, 8, step)
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_fn(bf16_reference(inputs), targets).backward()
+        ref_opt.step()
+        for micro, sync in ((0, False), (1, True)):  # two micro-batches of the global batch, one no-sync
+            fc.set_requires_gradient_sync(model, sync)
+            part = dp_slice(dp_slice(inputs, rank, ws), micro, 2), dp_slice(dp_slice(targets, rank, ws), micro, 2)
+            (loss_fn(model(part[0]), part[1]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    frozen = max(
+        (b.mlp.fc.weight.full_tensor() - r.mlp.fc.weight).abs().max().item()
+        for b, r in zip(model.blocks, reference.blocks, strict=True)
+    )
+    full = fc.full_state_dict(model, rank0_only=False)
+    again = _shard(GPT(CFG), fc.fully_shard, mesh, info, 1, mp_policy=policy)
+    fc.load_full_state_dict(again, full)
+    return {
+        "diff": max_param_diff(model, bf16_reference),
+        "frozen": frozen,
+        "reloaded": max_param_diff(again, model),
+        "keys": sorted(full) == sorted(reference.state_dict()),
+    }
+
+
+def test_a_mesh_per_parameter_with_frozen_accumulated_bf16_and_state_dicts(run_dist) -> None:
+    for rank, result in enumerate(run_dist(4, _features)):
+        assert result["frozen"] == 0.0, (rank, result)
+        assert result["diff"] < 3e-2, (rank, result)
+        assert result["reloaded"] == 0.0 and result["keys"], (rank, result)

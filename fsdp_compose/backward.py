@@ -61,32 +61,37 @@ class BackwardWalk:
     def __post_init__(self) -> None:
         self.reduce_steps: dict[int, ReduceStep] = {id(step.state): step for step in self.program.reductions}
 
-    def gather_for_backward(self, state: ShardState) -> None:
-        """``state`` needs its parameters for backward: pass the gather path's steps up to it.
+    def gather_for_backward(self, states: list[ShardState]) -> None:
+        """``states`` (a unit and its siblings: ``ShardState.members``) need their parameters for backward: pass the
+        gather path's steps up to the last of them.
 
-        Each step the cursor passes is gathered (asynchronously, unless it is ``state``) and its prefetch issued: the
-        steps its explicit ``fc.set_modules_to_backward_prefetch`` list placed right after it, else the next step.
-        While draining an accumulation window the implicit prefetch is skipped (the next unit's parameters would
-        wait through this unit's reduce-scatter on top of every accumulation buffer: the step's peak).
+        Each step the cursor passes is gathered (asynchronously, unless it is needed now) and its prefetch issued:
+        the steps its explicit ``fc.set_modules_to_backward_prefetch`` list placed right after it, else the next step
+        (none where that is needed now too: a peer needs all of them before its unit's backward can go on, so none
+        waits behind a prefetch's turn in the reduce-scatter window). While draining an accumulation window the
+        implicit prefetch is skipped (the next unit's parameters would wait through this unit's reduce-scatter on top
+        of every accumulation buffer: the step's peak).
         """
         self.reap()
-        record = state.record
-        target = record.position
-        if target is None:
-            # Run by this backward although no forward entry of this step said so (a forward inside the backward, a
-            # unit nested in a recomputed one): the ranks agreed on, and compiled, a program without it, so a gather
-            # here could not be checked to match the other ranks'.
-            what = "after its backward" if record.done else "by a backward no forward entry of it announced"
-            raise RuntimeError(
-                f"fsdp_compose: unit {state.params.owner_name} needs its parameters {what} ({self.where(state)}), "
-                "outside the schedule this backward agreed on. Run the unit's forward before the backward that uses "
-                "it (not from inside a backward hook or a custom autograd Function's backward)"
-            )
-        self._advance_gathers(target, needed=state)
-        if not record.done and state.unshard_in_backward:
-            self._gather(state, None, now=True)  # wait for it and copy out (one rank: gather it here)
+        for state in states:
+            record = state.record
+            if record.position is None:
+                # Run by this backward although no forward entry of this step said so (a forward inside the
+                # backward, a unit nested in a recomputed one): the ranks agreed on, and compiled, a program without
+                # it, so a gather here could not be checked to match the other ranks'.
+                what = "after its backward" if record.done else "by a backward no forward entry of it announced"
+                raise RuntimeError(
+                    f"fsdp_compose: unit {state.params.owner_name} needs its parameters {what} ({self.where(state)}), "
+                    "outside the schedule this backward agreed on. Run the unit's forward before the backward that "
+                    "uses it (not from inside a backward hook or a custom autograd Function's backward)"
+                )
+        target = max(state.record.position or 0 for state in states)
+        self._advance_gathers(target, needed={id(state) for state in states})
+        for state in states:
+            if not state.record.done and state.unshard_in_backward:
+                self._gather(state, None, now=True)  # wait for it and copy out (one rank: gather it here)
 
-    def _pass(self, step: GatherStep, *, now: bool) -> None:
+    def _pass(self, step: GatherStep, *, now: bool, needed: set[int]) -> None:
         passed = step.state
         record = passed.record
         if not passed.unshard_in_backward:
@@ -106,7 +111,7 @@ class BackwardWalk:
             self._prefetch(placed)
         elif not self.draining:
             following = self.gather_cursor  # the cursor already points past ``passed``
-            targets = [step.state for step in steps[following : following + 1]]
+            targets = [step.state for step in steps[following : following + 1] if id(step.state) not in needed]
             point = passed.backward_prefetch_point
             if not targets or not now or not record.reached_here or point == "before":
                 self._prefetch(targets)
@@ -256,13 +261,14 @@ class BackwardWalk:
         if held:
             self._prefetch(held, after_reductions=True)
 
-    def _advance_gathers(self, target: int, needed: ShardState | None = None) -> None:
-        """Move the gather cursor past step ``target``, issuing every backward all-gather on the way (``needed``
-        synchronously: it is wanted now)."""
+    def _advance_gathers(self, target: int, needed: set[int] | None = None) -> None:
+        """Move the gather cursor past step ``target``, issuing every backward all-gather on the way (those of
+        ``needed``, ids of states, synchronously: they are wanted now)."""
+        needed = needed or set()
         while self.gather_cursor <= target:
             step = self.program.gathers[self.gather_cursor]
             self.gather_cursor += 1
-            self._pass(step, now=step.state is needed)
+            self._pass(step, now=id(step.state) in needed, needed=needed)
 
     # ------------------------------------------------------------------ reductions
     def issue_reductions(self, *, final: bool = False) -> None:

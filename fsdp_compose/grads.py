@@ -510,7 +510,7 @@ class UnitGradients:
         if only_if_done and flight.work is not None and not flight.work.is_completed():
             return
         self._wait_reduce_scatter(flight)
-        replicas = self.spec.dp.replicate_group
+        replicas = self.spec.dp.reduce_replicas
         if replicas is None:
             self.finish()
             return

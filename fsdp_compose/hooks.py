@@ -109,11 +109,10 @@ def pre_forward(
             # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
             # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
             walk = step.backward if step is not None else None
-            for member in reversed(members):  # the gather order
-                if walk is not None:
-                    walk.gather_for_backward(member)
-                else:
-                    # no step yet, or a backward that began under another root (nested roots)
+            if walk is not None:
+                walk.gather_for_backward(members)
+            for member in members:
+                if walk is None:  # no step yet, or a backward that began under another root (nested roots)
                     member.gather_now(after_writes=outside_step(step))
                 hook_gradients(member)
             reentrant = state.enter_recompute(module)
@@ -202,10 +201,11 @@ def pre_backward(state: ShardState, node: object = None) -> None:
             )
         if step is not None:
             step.begin_backward(node)
-        for member in reversed(members):  # the gather order
-            if step is not None and step.backward is not None:
-                step.backward.gather_for_backward(member)
-            else:
+        walk = step.backward if step is not None else None
+        if walk is not None:
+            walk.gather_for_backward(members)
+        for member in members:
+            if walk is None:
                 member.gather_now(after_writes=outside_step(step))
             hook_gradients(member)
 

@@ -17,6 +17,7 @@ on the data-parallel dims.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "REDUCE_SCATTER_GROUP_DESC",
+    "REPLICA_REDUCE_GROUP_DESC",
     "DataParallelMesh",
     "ParamPlacing",
     "PostForwardGroup",
@@ -45,6 +47,7 @@ __all__ = [
     "post_forward_group",
     "post_forward_group_for",
     "reduce_scatter_group",
+    "replica_reduce_group",
     "reshard_after_forward_setting",
     "spmd_param_placing",
     "spmd_sharded_mesh",
@@ -257,6 +260,8 @@ class DataParallelMesh:
     shard_size: int
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
+    # The all-reduces over replicas go over this group where it is not the replicate group (``replica_reduce_group``)
+    replica_reduce_group: dist.ProcessGroup | None = None
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> DataParallelMesh:
@@ -270,6 +275,11 @@ class DataParallelMesh:
             replicate_group=mesh.get_group(0) if replicate else None,
             replicate_size=mesh.size(0) if replicate else 1,
         )
+
+    @property
+    def reduce_replicas(self) -> dist.ProcessGroup | None:
+        """The group HSDP's all-reduces over replicas go over (None: no replicas)."""
+        return self.replica_reduce_group or self.replicate_group
 
     @property
     def size(self) -> int:
@@ -371,8 +381,13 @@ def _combined_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | Non
     ranks they hold (their layouts over one world), not by the names of a common root: torchtitan's meshes are slices
     of several splits of one 1-D world mesh, none of which holds every name. The dims keep their process groups.
     None where they do not compose (unnamed, from different worlds, or overlapping ranks)."""
-    if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    if dp_names is None or tp_names is None:
         return None
+    root = _root(dp_mesh)
+    names = (*dp_names, *tp_names)
+    if set(names) <= set(root.mesh_dim_names or ()) and root[tp_names] == tp_mesh:
+        return root[names]  # one init_device_mesh names both: its slice, which torch caches
     try:
         return DeviceMesh._concatenate([dp_mesh, tp_mesh])
     except RuntimeError:
@@ -493,6 +508,31 @@ def _new_post_forward_group(
     result = PostForwardGroup(group, size, dist.get_rank(group))
     cache[size] = result
     return result
+
+
+REPLICA_REDUCE_GROUP_DESC = "fsdp_compose_replica_all_reduce"
+
+
+def replica_reduce_group(dp: DataParallelMesh) -> DataParallelMesh:
+    """``dp`` with a group of its own for the all-reduces over replicas where the replicate dim spans the whole world
+    (a shard group of one rank: HSDP as pure replication, an expert mesh whose experts every rank holds).
+
+    Such a dim's group is torch's default group, which every 1-D mesh over the world all-gathers on. An all-reduce
+    over replicas goes out once its unit's reduce-scatter completes, at a point of the backward that differs between
+    ranks (a unit some ranks do not run reduces at its turn), so on one communicator with all-gathers it could meet
+    them in another order on each rank: a hang. As for reduce-scatters (``reduce_scatter_group``), one group, found
+    again in torch's registry by any later unit; a managed group (torchft) is left to its manager.
+    """
+    group = dp.replicate_group
+    world = dist.get_world_size()
+    if group is None or not is_c10d_group(group) or world == 1 or dist.get_world_size(group) != world:
+        return dp
+    registry: dict[dist.ProcessGroup, dict[int, int]] = dist.distributed_c10d._world.pg_group_ranks
+    for known, members in registry.items():
+        if len(members) == world and getattr(known, "group_desc", None) == REPLICA_REDUCE_GROUP_DESC:
+            return dataclasses.replace(dp, replica_reduce_group=known)
+    created: dist.ProcessGroup = dist.new_group(list(range(world)), group_desc=REPLICA_REDUCE_GROUP_DESC)
+    return dataclasses.replace(dp, replica_reduce_group=created)
 
 
 REDUCE_SCATTER_GROUP_DESC = "fsdp_compose_reduce_scatter"

@@ -370,7 +370,7 @@ def reductions(state: ShardState, name: str, *, flagged: bool) -> list[Operation
                 id(state),
             )
         )
-    replicas = params.dp.replicate_group
+    replicas = params.dp.reduce_replicas
     if replicas is not None and state.requires_all_reduce:
         found.append(
             Operation(

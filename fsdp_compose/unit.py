@@ -45,7 +45,7 @@ from .extensions import ShardExtensions
 from .flat import FlatShard, ManagedParam
 from .full_params import FullParams, GatherPlan
 from .grads import ReduceSpec
-from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_scatter_group
+from .meshes import DataParallelMesh, ParamPlacing, PostForwardGroup, reduce_scatter_group, replica_reduce_group
 from .offload import UnitDevices
 from .policies import MixedPrecisionPolicy, OffloadPolicy
 from .sharding import write_param_into_segments
@@ -116,7 +116,7 @@ class UnitParams:
         offload_policy: OffloadPolicy | None = None,
         post_forward: PostForwardGroup | None = None,
     ) -> None:
-        self.dp = DataParallelMesh.of(mesh)
+        self.dp = replica_reduce_group(DataParallelMesh.of(mesh))
         self.extensions = extensions or ShardExtensions()
         # The flat layout and the all-gather run over the shard group; reduce-scatters over a separate group of the
         # same ranks, so the two never have to be issued in one agreed order (see meshes.reduce_scatter_group).

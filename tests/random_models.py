@@ -113,6 +113,10 @@ class CaseConfig:
     reentrant: bool = False  # activation checkpoints use use_reentrant=True (where the checkpointed call returns a
     #                           tensor; the unsharded copy checkpoints the same way)
     backward_twice: bool = False  # the plain loss's backward in two halves, the first with retain_graph=True
+    # A mesh per parameter: the "mlp" layers' parameters on another data-parallel mesh (FSDP2's ShardPlacementResult),
+    # HSDP (2, ws / 2): at 2 ranks a shard group of one rank; at 1 rank the (1, 1) mesh. Not for units whose
+    # reshard_after_forward is a group size (refused with a mesh per parameter).
+    mlp_mesh: bool = False
     sabotage: str = ""  # harness self-test only, never drawn: "skip_step" = the sharded side skips step 1's update
 
 
@@ -274,7 +278,8 @@ def _draw_graph_shapes(ch: Chooser, cfg: CaseConfig) -> CaseConfig:
         reentrant=ch.flag(30),
     )
     # Drawn after every earlier decision, so a seed keeps them.
-    return dataclasses.replace(cfg, backward_twice=cfg.loss == "plain" and ch.flag(35))
+    cfg = dataclasses.replace(cfg, backward_twice=cfg.loss == "plain" and ch.flag(35))
+    return dataclasses.replace(cfg, mlp_mesh=ch.flag(25))
 
 
 def config_from_seed(seed: int, ws: int | None = None) -> CaseConfig:
@@ -482,6 +487,23 @@ class Net(nn.Module):
         return y + s if s is not None else y
 
 
+def _mlp_placement(model: Net, ws: int) -> Callable[[nn.Parameter], Any]:
+    """``shard_placement_fn`` putting the MLPs' parameters on an HSDP mesh of their own (``CaseConfig.mlp_mesh``)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
+
+    from tests.dist_utils import mesh_nd
+
+    replicas = min(ws, 2)
+    mesh = mesh_nd((replicas, ws // replicas), ("mlp_replicate", "mlp_shard"))
+    info = HSDPMeshInfo(mesh=mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    mlp_params = {id(p) for m in model.modules() if isinstance(m, MLP) for p in m.parameters()}
+
+    def placement(param: nn.Parameter) -> Any:
+        return ShardPlacementResult(placement=None, mesh_info=info) if id(param) in mlp_params else None
+
+    return placement
+
+
 def side_used(cfg: CaseConfig, rank: int) -> bool:
     return cfg.side == "all" or (cfg.side == "even" and rank % 2 == 0)
 
@@ -521,10 +543,13 @@ def shard_model(model: Net, cfg: CaseConfig, mesh: Any) -> list[nn.Module]:
     units.append((model, cfg.root_raf, policy(root_low, False)))
 
     common: dict[str, Any] = dict(frozen_params=cfg.frozen_params, auto_refresh_trainable=not cfg.manual_refresh)
+    placement = _mlp_placement(model, cfg.ws) if cfg.mlp_mesh else None
     for target, raf, mp_policy in units:
         kwargs = dict(common, mp_policy=mp_policy)
         if not cfg.raf_via_setter:
             kwargs["reshard_after_forward"] = raf
+        if placement is not None and (raf is None or isinstance(raf, bool)):
+            kwargs["shard_placement_fn"] = placement
         fc.fully_shard(target, mesh=mesh, **kwargs)
     handles = [target[0] if isinstance(target, list) else target for target, _, _ in units]
     if cfg.raf_via_setter:  # recurse=False: each unit gets its own value

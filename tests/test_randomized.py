@@ -604,7 +604,12 @@ FOUND_BY_THE_SWEEP = {
     # a unit holding only kept-whole parameters (a 0-dim one) with reshard_after_forward=2 all-gathered nothing over
     # its post-forward group in every backward: an empty collective the backward's program does not list (an
     # internal error since the walk checks each collective against it)
-    "empty_post_forward_all_gather": config_from_seed(152, 4),
+    "empty_post_forward_all_gather": dataclasses.replace(config_from_seed(152, 4), mlp_mesh=False),  # as found
+    # the MLPs on a mesh of their own (a mesh per parameter), HSDP as pure replication over both ranks: their
+    # all-reduces over replicas went over torch's default group, which the 1-D units all-gather on, at points that
+    # differ between ranks (a side unit only even ranks run): a hang. They have a group of their own now
+    # (meshes.replica_reduce_group); a unit's siblings are gathered together, none waiting behind another's prefetch
+    "replica_all_reduce_beside_all_gathers": config_from_seed(102, 2),
     # a chunked loss, a side unit only even ranks run, the micro-batch's backward raising on every rank at different
     # points, collective checks: the next micro-batch's forward (under no_sync by then) completed the failed backward
     # with the no_sync setting, so one rank skipped the reduce-scatter the other had issued before failing (a hang)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import fsdp_compose as fc
 from examples.gpt_model import GPT, GPTConfig, loss_fn, synthetic_batch
-from tests.dist_utils import dp_slice, max_param_diff, mesh_nd
+from tests.dist_utils import dp_slice, max_param_diff, mesh_nd, tp_mlps, train_on_dp_mesh
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_layers=2, n_heads=4)
 _SPLIT: dict[tuple[Any, ...], tuple[DeviceMesh, DeviceMesh]] = {}  # meshes for the life of a worker process
@@ -168,3 +168,30 @@ def test_a_mesh_per_parameter_with_frozen_accumulated_bf16_and_state_dicts(run_d
         assert result["frozen"] == 0.0, (rank, result)
         assert result["diff"] < 3e-2, (rank, result)
         assert result["reloaded"] == 0.0 and result["keys"], (rank, result)
+
+
+def _beside_tensor_parallel(rank: int, ws: int) -> dict[str, Any]:
+    """FSDP + TP: every mesh split from one world mesh; the MLPs tensor parallel on ``tp`` and sharded over an HSDP
+    mesh of their own over the data-parallel ranks (one shard rank: replicated), the rest over ``dp``."""
+    key = (ws, "tp")
+    if key not in _SPLIT:
+        world = mesh_nd((ws,), ("world",))
+        dense = world._unflatten(0, (ws // 2, 2), ("dp", "tp"))
+        mlp = world._unflatten(0, (ws // 2, 1, 2), ("mlp_replicate", "mlp_shard", "mlp_tp"))
+        _SPLIT[key] = (dense, mlp["mlp_replicate", "mlp_shard"])
+    dense, mlp_mesh = _SPLIT[key]
+    info = HSDPMeshInfo(mesh=mlp_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    torch.manual_seed(2)
+    reference = GPT(CFG)
+    model = copy.deepcopy(reference)
+    tp_mlps(model, dense["tp"])
+    _shard(model, fc.fully_shard, dense["dp"], info, 0)
+    diff = train_on_dp_mesh(model, reference, CFG, dense["dp"], steps=3)
+    weight = model.blocks[0].mlp.fc.weight
+    return {"diff": diff, "mesh": weight.device_mesh.mesh_dim_names, "placements": str(weight.placements)}
+
+
+def test_a_mesh_per_parameter_beside_tensor_parallel(run_dist) -> None:
+    for rank, result in enumerate(run_dist(4, _beside_tensor_parallel)):
+        assert result["diff"] < 1e-5, (rank, result)
+        assert result["mesh"] == ("mlp_replicate", "mlp_shard", "tp"), (rank, result)

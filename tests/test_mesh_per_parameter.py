@@ -106,11 +106,13 @@ def _trains_like_the_reference(rank: int, ws: int, kind: str) -> dict[str, Any]:
         "mlp_placement": str(fc1.placements) if isinstance(fc1, DTensor) else "",
         "siblings": [s.params.owner_name for s in state.siblings],
         "schedule": fc.describe_schedule(model),
+        "description": fc.describe(model),
     }
 
 
 @pytest.mark.parametrize(("ws", "kind"), [(2, "hsdp"), (4, "hsdp"), (4, "split")])
 def test_a_mesh_per_parameter_trains_like_the_reference_and_torch(run_dist, ws: int, kind: str) -> None:
+    mlp_names = {"hsdp": ("'replicate', 'shard'",), "split": ("'dp_replicate', 'efsdp'",)}
     for rank, result in enumerate(run_dist(ws, _trains_like_the_reference, kind)):
         assert result["diff"] < 1e-5, (rank, result["diff"])
         assert result["losses"] == pytest.approx(result["torch_losses"], abs=1e-6), (rank, result)
@@ -122,6 +124,8 @@ def test_a_mesh_per_parameter_trains_like_the_reference_and_torch(run_dist, ws: 
             assert "Shard(dim=1)" in result["mlp_placement"], result["mlp_placement"]
         assert len(result["siblings"]) == 1 and "on (" in result["siblings"][0], result["siblings"]
         assert "blocks.0 on (" in result["schedule"], result["schedule"]
+        for name in mlp_names[kind]:  # each unit with its own mesh, and the MLP's parameters on the MLP's
+            assert name in result["description"], (name, result["description"])
 
 
 def _features(rank: int, ws: int) -> dict[str, Any]:

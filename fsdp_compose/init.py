@@ -199,7 +199,8 @@ def fully_shard(
         )
         member.mesh_label = label
         members.append(member)
-    state, state.siblings = members[0], members[1:]
+    state = members[0]
+    state.add_siblings(members[1:])
     for m in modules:
         m.__dict__[STATE_ATTR] = state
     _mark_managed(managed)

@@ -269,12 +269,12 @@ class ShardState:
         # this call on other data-parallel meshes, each group a unit of its own on the same modules, right after this
         # one in every order (``states_under``). Only this state is on the modules; its hooks run every member's part.
         self.siblings: list[ShardState] = []
+        self.members: list[ShardState] = [self]  # this unit, then its siblings: what its hooks run (``add_siblings``)
         self.mesh_label = ""  # a sibling's: names its mesh beside the modules' paths (``program.unit_names``)
 
-    @property
-    def members(self) -> list[ShardState]:
-        """This unit and its siblings (the module docstring of hooks.py: one call's hooks run all of them)."""
-        return [self, *self.siblings]
+    def add_siblings(self, siblings: list[ShardState]) -> None:
+        self.siblings = siblings
+        self.members = [self, *siblings]
 
     # ------------------------------------------------------------------ root and settings as they act
     @property
@@ -531,7 +531,7 @@ class ShardState:
         new.grads = UnitGradients(new.params.reduce_spec(), new.params.shards.params)
         new.grads.take_settings(self.grads)
         new.modules = tuple(copy.deepcopy(m, memo) for m in self.modules)
-        new.siblings = [copy.deepcopy(sibling, memo) for sibling in self.siblings]
+        new.add_siblings([copy.deepcopy(sibling, memo) for sibling in self.siblings])
         new.forward_prefetch = copy.deepcopy(self.forward_prefetch, memo)
         new.backward_prefetch = copy.deepcopy(self.backward_prefetch, memo)
         new.root = None

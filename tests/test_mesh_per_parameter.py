@@ -5,7 +5,7 @@ Each block of the test GPT keeps its attention on the call's mesh and puts its M
 shard group of one rank (2 ranks: the MLP replicated), an HSDP mesh with ``Shard(1)`` (4 ranks), and, as torchtitan
 builds them, meshes split from one 1-D world mesh (4 ranks). Trained against a single-process reference on the same
 global batch, side by side with torch's ``fully_shard`` given the same placements (losses and collective counts);
-then trainability, accumulation, bf16 and state dicts on the same model.
+then trainability, accumulation, bf16, ``copy.deepcopy`` and state dicts on the same model.
 """
 
 from __future__ import annotations
@@ -156,6 +156,14 @@ def _features(rank: int, ws: int) -> dict[str, Any]:
         (b.mlp.fc.weight.full_tensor() - r.mlp.fc.weight).abs().max().item()
         for b, r in zip(model.blocks, reference.blocks, strict=True)
     )
+    twin = copy.deepcopy(model)  # its own units, siblings included, on the copied modules
+    original, copied = fc.get_state(model.blocks[0]), fc.get_state(twin.blocks[0])
+    assert original is not None and copied is not None
+    sibling = copied.siblings[0]
+    twin_ok = sibling is not original.siblings[0] and copied.members[1] is sibling
+    twin_ok = twin_ok and sibling.modules == (twin.blocks[0],)
+    x = dp_slice(synthetic_batch(CFG, 8, 5)[0], rank, ws)
+    same_output = torch.equal(twin(x), model(x))
     full = fc.full_state_dict(model, rank0_only=False)
     again = _shard(GPT(CFG), fc.fully_shard, mesh, info, 1, mp_policy=policy)
     fc.load_full_state_dict(again, full)
@@ -164,6 +172,7 @@ def _features(rank: int, ws: int) -> dict[str, Any]:
         "frozen": frozen,
         "reloaded": max_param_diff(again, model),
         "keys": sorted(full) == sorted(reference.state_dict()),
+        "twin": twin_ok and same_output,
     }
 
 
@@ -172,6 +181,7 @@ def test_a_mesh_per_parameter_with_frozen_accumulated_bf16_and_state_dicts(run_d
         assert result["frozen"] == 0.0, (rank, result)
         assert result["diff"] < 3e-2, (rank, result)
         assert result["reloaded"] == 0.0 and result["keys"], (rank, result)
+        assert result["twin"], (rank, result)
 
 
 def _beside_tensor_parallel(rank: int, ws: int) -> dict[str, Any]:

@@ -42,11 +42,14 @@ def _cpu_patches() -> Any:
         sys.modules[kernels] = stub
     from torchtitan.models.common import attention
 
-    def sdpa(self: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    # FlexAttention's own argument names: expert parallel wraps it in a local-map region keyed by them
+    def sdpa(
+        self: Any, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
+            q_BLNH.transpose(1, 2),
+            k_BLNH.transpose(1, 2),
+            v_BLNH.transpose(1, 2),
             is_causal=True,
             scale=kwargs.get("scale"),
             enable_gqa=kwargs.get("enable_gqa", False),

@@ -23,8 +23,8 @@ provided, all parameters must be DTensors"). ``"full_dtensor"`` runs with torch'
 Patches, kept apart and counted:
 - CPU patches, applied to both implementations (torchtitan targets GPUs): (1) the stub for the Triton kernels module
   of torchtitan's expert-parallel dispatcher (test_torchtitan.py); (2) causal SDPA in place of FlexAttention, whose
-  backward does not run on CPU, under FlexAttention's own argument names (``q_BLNH``...: under expert parallel
-  ``model.parallelize`` wraps it in a local-map region keyed by them; test_torchtitan.py's ``q, k, v`` fail there);
+  backward does not run on CPU (test_torchtitan.py's, under FlexAttention's own argument names ``q_BLNH``...: under
+  expert parallel ``model.parallelize`` wraps it in a local-map region keyed by them);
   (3) ``"cpu"`` for the device of ``ParallelDims``' meshes (its module bound ``device_type``, ``"cuda"`` without an
   accelerator); (4) torch's only: ``set_force_sum_reduction_for_comms(True)``, since gloo has no PREMUL_SUM.
 - fsdp_compose changes (test_torchtitan.py's two): (1) the import of ``fully_shard`` in ``torchtitan.distributed.fsdp``
@@ -136,27 +136,6 @@ def _model_config(experts: int, top_k: int) -> Any:
     )
 
 
-def _cpu_patches_moe() -> None:
-    """CPU patches 1 and 2: test_torchtitan.py's, with SDPA under FlexAttention's own argument names."""
-    _cpu_patches()
-    from torchtitan.models.common import attention
-
-    def sdpa(
-        self: Any, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, **kwargs: Any
-    ) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q_BLNH.transpose(1, 2),
-            k_BLNH.transpose(1, 2),
-            v_BLNH.transpose(1, 2),
-            is_causal=True,
-            scale=kwargs.get("scale"),
-            enable_gqa=kwargs.get("enable_gqa", False),
-        )
-        return out.transpose(1, 2)
-
-    attention.FlexAttention.forward = sdpa
-
-
 @contextlib.contextmanager
 def _all_to_all_seen() -> Iterator[None]:
     """Observation only: the dispatcher's ``all_to_all_single`` looked up per call, so a recorder sees it."""
@@ -234,7 +213,7 @@ def _parallelize(model: nn.Module, variant: str, dims: Any, parallelism: Any, pl
 
 
 def _train(rank: int, ws: int, variant: str, setting: Setting, backend: str) -> dict[str, Any]:
-    _cpu_patches_moe()
+    _cpu_patches()
     import torchtitan.distributed.utils as dist_utils
     from torchtitan.components.optimizer import default_adamw, register_moe_load_balancing_hook
     from torchtitan.config import ParallelismConfig

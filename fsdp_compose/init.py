@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -138,11 +138,11 @@ def fully_shard(
     params, lifts, managed = _collect_params(modules, ignored, owner_name)
     device = _mesh_device(mesh)
     shard_dims, param_meshes = _check_params(params, shard_placement_fn, owner_name)
-    groups = _mesh_groups(mesh, params, shard_dims, param_meshes)
+    groups = _mesh_groups(_MeshRoles(mesh, spmd_mesh, dims), params, shard_dims, param_meshes, owner_name)
     if len(groups) > 1:
-        _check_mesh_groups(groups, owner_name, reshard_after_forward=reshard_after_forward, dp_mesh_dims=dims)
+        _check_mesh_groups(groups, owner_name, reshard_after_forward=reshard_after_forward)
     placings_of: list[list[ParamPlacing]] = []
-    for group_mesh, group_params, group_dims in groups:
+    for (group_mesh, group_spmd, group_dp_dims), group_params, group_dims in groups:
         check_offload_policy(offload_policy, group_mesh, owner_name)
         _check_unit_kind(
             group_params,
@@ -153,11 +153,12 @@ def fully_shard(
             offload_policy=offload_policy,
             dp_mesh_dims=dims,
         )
-        if dims is not None:
-            assert spmd_mesh is not None
-            sharded_mesh = spmd_sharded_mesh(spmd_mesh, dims, mesh)  # one mesh for every parameter of the unit
+        if group_dp_dims is not None:
+            assert group_spmd is not None
+            # one mesh for every parameter of the unit
+            sharded_mesh = spmd_sharded_mesh(group_spmd, group_dp_dims, group_mesh)
             placings = [
-                spmd_param_placing(fqn, p, spmd_mesh, dims, owner_name, dim, sharded_mesh)
+                spmd_param_placing(fqn, p, group_spmd, group_dp_dims, owner_name, dim, sharded_mesh)
                 for (fqn, p, _), dim in zip(group_params, group_dims, strict=True)
             ]
         else:
@@ -174,7 +175,7 @@ def fully_shard(
     for child_state, param in lifts:  # tied parameters move up from a submodule's unit into this one
         owners_of[id(param)].extend(child_state.release(param))
     members = []
-    for (group_mesh, group_params, _), placings in zip(groups, placings_of, strict=True):
+    for ((group_mesh, _, _), group_params, _), placings in zip(groups, placings_of, strict=True):
         label = "" if group_mesh is mesh else f"on {group_mesh.mesh_dim_names}"
         unit_params = UnitParams(
             group_params,
@@ -478,7 +479,7 @@ def _check_params(
     params: list[_ParamEntry],
     shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     owner_name: str,
-) -> tuple[list[int], list[DeviceMesh | None]]:
+) -> tuple[list[int], list[_MeshRoles | None]]:
     """Raise for parameters fully_shard cannot take; return the dim each one is sharded on, and the data-parallel
     mesh ``shard_placement_fn`` gave it (None: the call's)."""
     devices = {p.device for _, p, _ in params}
@@ -507,7 +508,7 @@ def _check_params(
                 "into a submodule and call fully_shard on that submodule first, or pass it in ignored_params (then "
                 "its gradient is not reduced)"
             )
-    meshes: list[DeviceMesh | None] = [None] * len(params)
+    meshes: list[_MeshRoles | None] = [None] * len(params)
     if shard_placement_fn is None:
         dims = [0] * len(params)
     else:
@@ -537,50 +538,64 @@ def _check_params(
     return dims, meshes
 
 
-def _placement_mesh(fqn: str, result: Any, owner_name: str) -> DeviceMesh:
-    """The data-parallel mesh of FSDP2's ``ShardPlacementResult`` (its ``mesh_info.mesh``), checked as a
-    ``fully_shard`` mesh."""
-    mesh = getattr(getattr(result, "mesh_info", None), "mesh", None)
+class _MeshRoles(NamedTuple):
+    """A data-parallel mesh, and under ``dp_mesh_dims`` the full SPMD mesh and the dims it was taken from."""
+
+    dp_mesh: DeviceMesh
+    spmd_mesh: DeviceMesh | None
+    dims: DataParallelMeshDims | None
+
+
+def _placement_mesh(fqn: str, result: Any, owner_name: str) -> _MeshRoles:
+    """The data-parallel mesh of FSDP2's ``ShardPlacementResult`` (its ``mesh_info.mesh``; with the full SPMD mesh
+    and the dims where ``dp_mesh_dims`` made it), checked as a ``fully_shard`` mesh."""
+    info = getattr(result, "mesh_info", None)
+    mesh = getattr(info, "mesh", None)
+    where = f"'{fqn}' of {owner_name} (its ShardPlacementResult's mesh)"
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"shard_placement_fn returned a ShardPlacementResult for '{fqn}' of {owner_name} whose mesh_info has no "
             f"DeviceMesh (got {type(mesh).__name__}); build it with FSDP2's FSDPMeshInfo(mesh=..., shard_mesh_dim=...)"
         )
-    check_dp_mesh(mesh, f"'{fqn}' of {owner_name} (its ShardPlacementResult's mesh)")
-    return mesh
+    dims = as_dp_mesh_dims(getattr(info, "dp_mesh_dims", None), where)
+    spmd = getattr(info, "spmd_mesh", None) if dims is not None else None
+    if dims is not None and not isinstance(spmd, DeviceMesh):
+        raise TypeError(f"{where}: mesh_info has dp_mesh_dims but no spmd_mesh; build it with FSDP2's _get_mesh_info")
+    check_dp_mesh(mesh, where, roles_named=dims is not None)
+    return _MeshRoles(mesh, spmd, dims)
 
 
-_MeshGroup = tuple[DeviceMesh, list["_ParamEntry"], list[int]]
+_MeshGroup = tuple[_MeshRoles, list["_ParamEntry"], list[int]]
 
 
 def _mesh_groups(
-    mesh: DeviceMesh, params: list[_ParamEntry], dims: list[int], meshes: list[DeviceMesh | None]
+    roles: _MeshRoles, params: list[_ParamEntry], dims: list[int], meshes: list[_MeshRoles | None], owner_name: str
 ) -> list[_MeshGroup]:
     """The parameters per data-parallel mesh, in the order of registration: the call's mesh first (its group may be
-    empty: the unit then holds only the hooks), then each other mesh in the order its first parameter comes."""
-    groups: dict[DeviceMesh, _MeshGroup] = {mesh: (mesh, [], [])}
-    for entry, dim, param_mesh in zip(params, dims, meshes, strict=True):
-        key = mesh if param_mesh is None or param_mesh == mesh else param_mesh
-        group = groups.setdefault(key, (key, [], []))
+    empty: the unit then holds only the hooks), then each other mesh in the order its first parameter comes. Under
+    ``dp_mesh_dims`` every mesh comes with its SPMD mesh and dims, else none does."""
+    groups: dict[DeviceMesh, _MeshGroup] = {roles.dp_mesh: (roles, [], [])}
+    for entry, dim, param_roles in zip(params, dims, meshes, strict=True):
+        if param_roles is not None and (param_roles.dims is None) != (roles.dims is None):
+            raise ValueError(
+                f"fully_shard on {owner_name}: parameter '{entry[0]}' has a ShardPlacementResult "
+                f"{'without' if param_roles.dims is None else 'with'} dp_mesh_dims, the call "
+                f"{'with' if roles.dims is not None else 'without'}; give both or neither"
+            )
+        found = roles if param_roles is None or param_roles.dp_mesh == roles.dp_mesh else param_roles
+        group = groups.setdefault(found.dp_mesh, (found, [], []))
         group[1].append(entry)
         group[2].append(dim)
     return list(groups.values())
 
 
-def _check_mesh_groups(
-    groups: list[_MeshGroup], owner_name: str, *, reshard_after_forward: bool | int | None, dp_mesh_dims: object
-) -> None:
+def _check_mesh_groups(groups: list[_MeshGroup], owner_name: str, *, reshard_after_forward: bool | int | None) -> None:
     """Raise for settings a unit with a mesh per parameter cannot combine with (before anything is touched)."""
-    meshes = ", ".join(str(group_mesh.mesh_dim_names or group_mesh.shape) for group_mesh, _, _ in groups)
+    meshes = ", ".join(str(roles.dp_mesh.mesh_dim_names or roles.dp_mesh.shape) for roles, _, _ in groups)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"fully_shard on {owner_name}: reshard_after_forward={reshard_after_forward} (a group size) with a mesh "
             f"per parameter ({meshes}) is not supported; use True or False"
-        )
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            f"fully_shard on {owner_name}: dp_mesh_dims with a mesh per parameter ({meshes}) is not supported; pass "
-            "the data-parallel mesh as mesh="
         )
 
 

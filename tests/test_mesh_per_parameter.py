@@ -209,3 +209,29 @@ def test_a_mesh_per_parameter_beside_tensor_parallel(run_dist) -> None:
     for rank, result in enumerate(run_dist(4, _beside_tensor_parallel)):
         assert result["diff"] < 1e-5, (rank, result)
         assert result["mesh"] == ("mlp_replicate", "mlp_shard", "tp"), (rank, result)
+
+
+def _mixed_modes(rank: int, ws: int) -> str:
+    """A ``ShardPlacementResult`` made under ``dp_mesh_dims`` (FSDP2's ``_get_mesh_info`` of a full SPMD mesh) given to
+    a call without them: raised before anything changes."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+
+    spmd = mesh_nd((2, ws // 2), ("replicate", "shard"))
+    info = _get_mesh_info(spmd, DataParallelMeshDims(shard="shard", replicate="replicate"))
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    before = [(n, id(p)) for n, p in model.named_parameters()]
+    try:
+        _shard(model, fc.fully_shard, mesh_nd((ws,), ("fsdp",)), info, 0)
+    except ValueError as error:
+        untouched = [(n, id(p)) for n, p in model.named_parameters()] == before and not fc.is_fully_sharded(model)
+        return f"{error} untouched={untouched}"
+    return "no error"
+
+
+def test_a_mesh_per_parameter_made_under_dp_mesh_dims_needs_them_in_the_call(run_dist) -> None:
+    for message in run_dist(4, _mixed_modes):
+        assert "has a ShardPlacementResult with dp_mesh_dims, the call without" in message, message
+        assert "blocks.0.mlp" in message or "'mlp." in message or "fc.weight" in message, message
+        assert message.endswith("untouched=True"), message

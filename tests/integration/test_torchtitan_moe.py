@@ -16,9 +16,10 @@ torchtitan asked for, and that the experts' sharded parameters have torch's mesh
 
 Backend: ``spmd_backend="partial_dtensor"``. torchtitan 0.3's default, ``"spmd_types"``, fails with torch 2.13's
 own ``fully_shard`` before any step (it passes ``dp_mesh_dims`` with plain-tensor parameters: "When dp_mesh_dims is
-provided, all parameters must be DTensors"). ``"full_dtensor"`` runs with torch's (the same numbers as
-``partial_dtensor``); fsdp_compose refuses ``dp_mesh_dims`` together with a mesh per parameter
-(``NotImplementedError`` in ``fully_shard``): ``test_full_dtensor_expert_parallel`` xfails on that and checks torch.
+provided, all parameters must be DTensors"). ``"full_dtensor"`` (``dp_mesh_dims`` on the full SPMD meshes, and a
+``ShardPlacementResult`` whose mesh info carries its own SPMD mesh and dims) runs with both, expert parallel 2 on 2
+and 4 ranks: ``test_full_dtensor_expert_parallel`` (torch's numbers equal to its ``partial_dtensor`` run, fsdp_compose
+equal to torch's).
 
 Patches, kept apart and counted:
 - CPU patches, applied to both implementations (torchtitan targets GPUs): (1) the stub for the Triton kernels module
@@ -229,10 +230,7 @@ def _train(rank: int, ws: int, variant: str, setting: Setting, backend: str) -> 
         torch.manual_seed(0)
         model = config.build()
         model.init_states()
-        try:
-            _parallelize(model, variant, dims, parallelism, placements)
-        except NotImplementedError as error:
-            return {"not_implemented": str(error)}
+        _parallelize(model, variant, dims, parallelism, placements)
         layout = _expert_layout(model)
         optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
         register_moe_load_balancing_hook(optimizers, [model], dims)  # the model spec's post_optimizer_build_fn
@@ -305,14 +303,14 @@ def test_qwen3_moe_matches_torch_fully_shard(run_dist, name: str) -> None:
         assert all(counts["all_to_all"] == 3 * N_LAYERS for counts in fc_run["counts"])
 
 
-def test_full_dtensor_expert_parallel(run_dist) -> None:
-    """torchtitan's ``full_dtensor`` backend: ``dp_mesh_dims`` and a ``ShardPlacementResult`` per expert weight."""
-    setting = SETTINGS["ep2-2ranks"]
-    torch_run = run_dist(2, _train, "torch", setting, "full_dtensor")[0]
-    partial = run_dist(2, _train, "torch", setting, "partial_dtensor")[0]
+@pytest.mark.parametrize("name", ["ep2-2ranks", "ep2-4ranks"])
+def test_full_dtensor_expert_parallel(run_dist, name: str) -> None:
+    """torchtitan's ``full_dtensor`` backend: ``dp_mesh_dims`` (the full SPMD meshes) and a ``ShardPlacementResult``
+    per parameter whose mesh info carries its own SPMD mesh and dims."""
+    setting = SETTINGS[name]
+    torch_run = run_dist(setting.world_size, _train, "torch", setting, "full_dtensor")[0]
+    partial = run_dist(setting.world_size, _train, "torch", setting, "partial_dtensor")[0]
     assert torch_run["loss"] == pytest.approx(partial["loss"], rel=1e-5)  # torch's: the same training either way
     assert torch_run["grad_norm"] == pytest.approx(partial["grad_norm"], rel=1e-5)
-    fc_run = run_dist(2, _train, "fc", setting, "full_dtensor")[0]
-    if "not_implemented" in fc_run:
-        pytest.xfail(fc_run["not_implemented"])
+    fc_run = run_dist(setting.world_size, _train, "fc", setting, "full_dtensor")[0]
     _check(torch_run, fc_run)

@@ -20,12 +20,13 @@ from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils.data import DataLoader, Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import fsdp_compose as fc
 from tests.integration.counting import totals
 from tests.integration.cpu_fsdp import enable_fsdp_plugin_on_cpu
 from tests.integration.launch import finish_rank
+from tests.integration.tiny_llama import tiny_llama_config
 
 VARIANT = sys.argv[1]
 
@@ -51,16 +52,7 @@ enable_fsdp_plugin_on_cpu()
 accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, gradient_accumulation_steps=2)
 rank, world_size = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
-config = LlamaConfig(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
+config = tiny_llama_config()
 model = LlamaForCausalLM(config)
 if PRESHARDED:
     shard: Any = torch_fully_shard if LIBRARY == "torch" else fc.fully_shard

@@ -12,11 +12,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.distributed import DistributedConfig
 
 import fsdp_compose as fc
 from tests.integration.launch import finish_rank
+from tests.integration.tiny_llama import tiny_llama_config
 
 VARIANT, FOLDER, KIND = sys.argv[1], sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo")
@@ -28,7 +29,7 @@ classes = {"dense": LlamaForCausalLM, "moe": Qwen3MoeForCausalLM}
 if rank == 0 and not os.path.exists(path):
     torch.manual_seed(0)
     if KIND == "dense":
-        config = LlamaConfig(**sizes, intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False)
+        config = tiny_llama_config(vocab_size=64)
     else:
         config = Qwen3MoeConfig(
             **sizes,

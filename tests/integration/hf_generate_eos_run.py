@@ -12,26 +12,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import fsdp_compose as fc
 from tests.integration.launch import finish_rank
+from tests.integration.tiny_llama import tiny_llama_config
 
 VARIANT = sys.argv[1]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 torch.manual_seed(0)
-config = LlamaConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    pad_token_id=0,
-)
+config = tiny_llama_config(vocab_size=64, pad_token_id=0)
 model = LlamaForCausalLM(config)
 plain = LlamaForCausalLM(config)
 plain.load_state_dict(model.state_dict())

@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
 import fsdp_compose as fc
 from tests.integration.counting import totals
 from tests.integration.cpu_fsdp import enable_fsdp_plugin_on_cpu
 from tests.integration.launch import finish_rank
+from tests.integration.tiny_llama import tiny_llama_config
 
 VARIANT = sys.argv[1]
 
@@ -58,16 +59,7 @@ class CountingTrainer(Trainer):
 enable_fsdp_plugin_on_cpu()
 dist.init_process_group("gloo")
 torch.manual_seed(0)
-config = LlamaConfig(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
+config = tiny_llama_config()
 model = LlamaForCausalLM(config)
 args = TrainingArguments(
     output_dir="/tmp/fc-hf-trainer-fsdp2",

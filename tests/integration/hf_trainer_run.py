@@ -14,11 +14,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 from transformers.distributed import DistributedConfig
 
 import fsdp_compose as fc
 from tests.integration.launch import finish_rank
+from tests.integration.tiny_llama import tiny_llama_config
 
 VARIANT = sys.argv[1]
 
@@ -35,16 +36,7 @@ class Tokens(Dataset):
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 torch.manual_seed(0)
-config = LlamaConfig(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
+config = tiny_llama_config()
 model = LlamaForCausalLM(config)
 shard: Any = torch_fully_shard if VARIANT == "torch" else fc.fully_shard
 extra: dict[str, Any] = {} if VARIANT == "torch" else {"fsdp2_methods": True}

@@ -108,13 +108,7 @@ def pre_forward(
         if torch._C._current_graph_task_id() != -1:
             # A forward inside backward: an activation-checkpoint recompute. The unit needs its parameters now, at
             # its turn in the gather order (a recompute before the unit's own pre-backward starts its backward).
-            walk = step.backward if step is not None else None
-            if walk is not None:
-                walk.gather_for_backward(members)
-            for member in members:
-                if walk is None:  # no step yet, or a backward that began under another root (nested roots)
-                    member.gather_now(after_writes=outside_step(step))
-                hook_gradients(member)
+            _gather_for_backward(state, step)
             reentrant = state.enter_recompute(module)
             for sibling in state.siblings:
                 sibling.enter_recompute(module)
@@ -201,13 +195,19 @@ def pre_backward(state: ShardState, node: object = None) -> None:
             )
         if step is not None:
             step.begin_backward(node)
-        walk = step.backward if step is not None else None
-        if walk is not None:
-            walk.gather_for_backward(members)
-        for member in members:
-            if walk is None:
-                member.gather_now(after_writes=outside_step(step))
-            hook_gradients(member)
+        _gather_for_backward(state, step)
+
+
+def _gather_for_backward(state: ShardState, step: StepContext | None) -> None:
+    """The unit and its siblings need their parameters in a backward: at their turn in the running backward's walk,
+    else at once (no step yet, or a backward that began under another root: nested roots)."""
+    walk = step.backward if step is not None else None
+    if walk is not None:
+        walk.gather_for_backward(state.members)
+    for member in state.members:
+        if walk is None:
+            member.gather_now(after_writes=outside_step(step))
+        hook_gradients(member)
 
 
 @_outside_compile

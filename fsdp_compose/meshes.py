@@ -527,12 +527,19 @@ def replica_reduce_group(dp: DataParallelMesh) -> DataParallelMesh:
     world = dist.get_world_size()
     if group is None or not is_c10d_group(group) or world == 1 or dist.get_world_size(group) != world:
         return dp
+    return dataclasses.replace(dp, replica_reduce_group=_world_group(REPLICA_REDUCE_GROUP_DESC))
+
+
+def _world_group(desc: str) -> dist.ProcessGroup:
+    """A group of every rank, ours for the role ``desc`` names: found again in torch's registry by any later unit,
+    else created (collective over the default group, as every rank makes the same ``fully_shard`` calls)."""
+    world = dist.get_world_size()
     registry: dict[dist.ProcessGroup, dict[int, int]] = dist.distributed_c10d._world.pg_group_ranks
-    for known, members in registry.items():
-        if len(members) == world and getattr(known, "group_desc", None) == REPLICA_REDUCE_GROUP_DESC:
-            return dataclasses.replace(dp, replica_reduce_group=known)
-    created: dist.ProcessGroup = dist.new_group(list(range(world)), group_desc=REPLICA_REDUCE_GROUP_DESC)
-    return dataclasses.replace(dp, replica_reduce_group=created)
+    for group, members in registry.items():
+        if len(members) == world and getattr(group, "group_desc", None) == desc:
+            return group
+    created: dist.ProcessGroup = dist.new_group(list(range(world)), group_desc=desc)
+    return created
 
 
 REDUCE_SCATTER_GROUP_DESC = "fsdp_compose_reduce_scatter"
@@ -559,14 +566,8 @@ def reduce_scatter_group(dp: DataParallelMesh) -> dist.ProcessGroup:
     if dp.shard_size == 1:
         return dp.shard_group
     world = dist.get_world_size()
-    ranks = sorted(dist.get_process_group_ranks(dp.shard_group))
-    if len(ranks) == world:
-        registry: dict[dist.ProcessGroup, dict[int, int]] = dist.distributed_c10d._world.pg_group_ranks
-        for group, members in registry.items():
-            if len(members) == world and getattr(group, "group_desc", None) == REDUCE_SCATTER_GROUP_DESC:
-                return group
-        created: dist.ProcessGroup = dist.new_group(ranks, group_desc=REDUCE_SCATTER_GROUP_DESC)
-        return created
+    if len(dist.get_process_group_ranks(dp.shard_group)) == world:
+        return _world_group(REDUCE_SCATTER_GROUP_DESC)
     mesh = dp.mesh
     names = mesh.mesh_dim_names
     root = _root(mesh)

@@ -268,12 +268,14 @@ class ShardState:
         # A mesh per parameter (``shard_placement_fn`` returning FSDP2's ``ShardPlacementResult``): the parameters of
         # this call on other data-parallel meshes, each group a unit of its own on the same modules, right after this
         # one in every order (``states_under``). Only this state is on the modules; its hooks run every member's part.
-        self.siblings: list[ShardState] = []
         self.members: list[ShardState] = [self]  # this unit, then its siblings: what its hooks run (``add_siblings``)
         self.mesh_label = ""  # a sibling's: names its mesh beside the modules' paths (``program.unit_names``)
 
+    @property
+    def siblings(self) -> list[ShardState]:
+        return self.members[1:]
+
     def add_siblings(self, siblings: list[ShardState]) -> None:
-        self.siblings = siblings
         self.members = [self, *siblings]
 
     # ------------------------------------------------------------------ root and settings as they act

@@ -388,10 +388,20 @@ def _combined_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | Non
     names = (*dp_names, *tp_names)
     if set(names) <= set(root.mesh_dim_names or ()) and root[tp_names] == tp_mesh:
         return root[names]  # one init_device_mesh names both: its slice, which torch caches
-    try:
-        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
-    except RuntimeError:
-        return None
+    # One per pair, kept on the data-parallel mesh: every parameter of every unit on the pair asks for it again, and
+    # building a mesh reads rank tensors (which a FakeTensorMode run, the planner's, cannot do after its setup).
+    cache = _mesh_cache(dp_mesh, _COMBINED_MESHES_ATTR)
+    key = (tp_names, tuple(str(tp_mesh.get_group(dim).group_name) for dim in range(tp_mesh.ndim)))
+    if key not in cache:
+        try:
+            cache[key] = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        except RuntimeError:
+            cache[key] = None
+    return cache[key]  # type: ignore[no-any-return]
+
+
+# Attribute on a data-parallel DeviceMesh caching its meshes combined with a parameter's own mesh (see above).
+_COMBINED_MESHES_ATTR = "_fsdp_compose_combined_meshes"
 
 
 def param_placing(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh, owner: str, shard_dim: int = 0) -> ParamPlacing:

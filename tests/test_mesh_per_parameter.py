@@ -235,3 +235,93 @@ def test_a_mesh_per_parameter_made_under_dp_mesh_dims_needs_them_in_the_call(run
         assert "has a ShardPlacementResult with dp_mesh_dims, the call without" in message, message
         assert "blocks.0.mlp" in message or "'mlp." in message or "fc.weight" in message, message
         assert message.endswith("untouched=True"), message
+
+
+# ---------------------------------------------------------------------- experts behind all-to-alls
+MOE_ARGS = {"dim": 32, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 61, "n_layers": 2, "expert_ffn_dim": 16}
+
+
+def _experts_train_like_the_reference(rank: int, ws: int, experts: int) -> dict[str, Any]:
+    """The planner's MoE model (``fsdp_compose.plan``'s ``moe`` preset: experts over ``ep`` ranks, tokens moved by
+    all-to-alls), its experts on their own data-parallel mesh (``efsdp``), against a single-process model that
+    computes every rank's micro-batch; torch's ``fully_shard`` given the same placements beside it (collective counts;
+    losses where torch can take the same divide factor on gloo)."""
+    from fsdp_compose.plan.models import load_model_spec
+    from fsdp_compose.plan.step import PlanConfig, build_mesh, expert_placement
+
+    config = PlanConfig(model="moe", world_size=ws, ep=2)
+    args = {**MOE_ARGS, "num_experts": experts}
+    results: dict[str, Any] = {}
+    reference = None
+    for name, shard in (("ours", fc.fully_shard), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        spec = load_model_spec("moe", args)
+        if reference is None:
+            reference = copy.deepcopy(spec.model)
+        meshes = build_mesh(config, mesh=mesh_nd((ws,), ("shard",)))
+        assert meshes.ep_mesh is not None
+        placement = expert_placement(meshes, set(spec.ep_plan(spec.model, meshes.ep_mesh)), spec.model)
+        for layer in spec.units:
+            shard(layer, mesh=meshes.dp_mesh, shard_placement_fn=placement)
+            # an expert's gradient sums every rank's tokens; reduced over efsdp only, it would be divided by
+            # efsdp's size: divided by the data-parallel size instead, as the dense ones (torchtitan does the same)
+            if name == "ours":
+                fc.set_gradient_divide_factor(layer, float(ws))
+            elif ws == 2:  # torch's reduce-scatter with a factor is a PREMUL_SUM, which gloo lacks (efsdp 1: none)
+                layer.set_gradient_divide_factor(float(ws))
+        shard(spec.model, mesh=meshes.dp_mesh)
+        opt = torch.optim.SGD(spec.model.parameters(), lr=0.1, momentum=0.9)
+        losses, counts = [], []
+        torch.manual_seed(1)
+        for _ in range(3):
+            inputs, targets = spec.make_batch(2 * ws, 8)
+            with fc.CollectiveRecorder(functional=False) as recorder:
+                loss = spec.loss(spec.model(inputs.chunk(ws)[rank]), targets.chunk(ws)[rank])
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            torch.distributed.all_reduce(total)
+            losses.append(total.item() / ws)
+            counts.append(recorder.counts())
+        w1 = spec.model.model.layers[0].mlp.experts.w1
+        results[name] = {"losses": losses, "counts": counts, "placements": str(w1.placements), "model": spec.model}
+    assert reference is not None
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    spec = load_model_spec("moe", args)
+    ref_losses = []
+    torch.manual_seed(1)
+    for _ in range(3):
+        inputs, targets = spec.make_batch(2 * ws, 8)
+        # each rank's micro-batch on its own: a rank's expert capacity is counted from its tokens
+        per_rank = [spec.loss(reference(x), y) for x, y in zip(inputs.chunk(ws), targets.chunk(ws), strict=True)]
+        loss = torch.stack(per_rank).mean()
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    ours = results["ours"]
+    return {
+        "diff": max_param_diff(ours.pop("model"), reference),
+        "torch_diff": max_param_diff(results["torch"]["model"], reference),
+        "ref_losses": ref_losses,
+        "ours": ours,
+        "torch": {k: v for k, v in results["torch"].items() if k != "model"},
+    }
+
+
+@pytest.mark.parametrize(("ws", "experts"), [(2, 4), (4, 4), (4, 2)], ids=["ws2-efsdp1", "ws4-shard0", "ws4-shard1"])
+def test_experts_behind_all_to_alls_train_like_the_reference_and_torch(run_dist, ws: int, experts: int) -> None:
+    for rank, result in enumerate(run_dist(ws, _experts_train_like_the_reference, experts)):
+        ours, theirs = result["ours"], result["torch"]
+        assert result["diff"] < 1e-5, (rank, result["diff"], result["torch_diff"], result)
+        assert ours["losses"] == pytest.approx(result["ref_losses"], abs=1e-5), (rank, result)
+        if ws == 2:  # the same divide factor on both (see above)
+            assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-6), (rank, result)
+        assert ours["placements"] == theirs["placements"], (rank, result)
+        if experts // 2 < ws // 2:  # fewer experts per ep rank than efsdp ranks: sharded on the hidden dim
+            assert "Shard(dim=1)" in ours["placements"], ours["placements"]
+        for mine, torchs in zip(ours["counts"], theirs["counts"], strict=True):
+            assert mine["all_to_all"] == torchs["all_to_all"] == 8, (mine, torchs)
+            for what in ("all_gather", "reduce_scatter"):
+                assert mine.get(what, 0) <= torchs.get(what, 0), (rank, ours["counts"], theirs["counts"])

@@ -28,6 +28,7 @@ from fsdp_compose.plan.step import ParamInfo, PlanConfig, build_mesh, measure_st
 from tests.dist_utils import mesh_nd
 
 SMALL_GPT = {"dim": 24, "n_heads": 2, "vocab_size": 61, "n_layers": 2, "seq_len": 11}
+SMALL_MOE = {"dim": 24, "n_heads": 2, "n_kv_heads": 1, "vocab_size": 61, "n_layers": 2, "expert_ffn_dim": 16}
 
 
 # gloo's worker thread lets go of a finished collective's tensors after Work.wait has returned, so a real phase peak
@@ -58,6 +59,11 @@ PARITY = {
     ),
     "hsdp-2x2": PlanConfig(model="gpt", model_args=SMALL_GPT, world_size=4, replicate=2, batch_size=2),
     "tp-2x2": PlanConfig(model="gpt", model_args=SMALL_GPT, world_size=4, tp=2, batch_size=2),
+    # experts on their own mesh: whole experts (Shard(0)) over efsdp 2; 2 experts, one per ep rank (Shard(1))
+    "moe-ep2-4": PlanConfig(model="moe", model_args=SMALL_MOE, world_size=4, ep=2, batch_size=2, seq_len=11),
+    "moe-ep2-4-shard1": PlanConfig(
+        model="moe", model_args={**SMALL_MOE, "num_experts": 2}, world_size=4, ep=2, batch_size=2, seq_len=11
+    ),
 }
 
 
@@ -85,6 +91,7 @@ def test_planner_matches_gloo_run(run_dist: Any, name: str) -> None:
                     assert planned.collectives[kind][group]["bytes"] == pytest.approx(figures["bytes"], rel=0.05)
             for field in ("sharded_param_bytes", "grad_bytes", "optimizer_bytes"):
                 assert getattr(planned, field) == measured[field], field
+            assert planned.meshes == measured["meshes"]
     # rank 0 holds the most rows (torch.chunk): the planner's default rank bounds every rank's peak. Within 15%, not
     # 5%: a reduce-scatter's input is freed as soon as it has completed, which on a loaded machine can be one unit
     # later on one rank than on another (seen: +10% on one rank of the 2x2 HSDP case, whose unit buffers are large
@@ -194,6 +201,52 @@ def test_simulated_ranks_match_analytic_model(
         assert record.peaks[phase] == pytest.approx(peak, rel=0.05), phase
     assert record.collectives["all_gather"]["shard"]["bytes"] == result.min_collectives["all_gather"]
     assert record.collectives["reduce_scatter"]["shard"]["bytes"] == result.min_collectives["reduce_scatter"]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "replicate", "ep", "experts"),
+    [(8, 1, 2, 8), (16, 2, 2, 8), (16, 1, 4, 4), (4, 1, 4, 4), (8, 4, 2, 2)],
+    ids=["ep2", "hsdp2-ep2", "ep4-shard1", "ep-is-shard", "hsdp4-efsdp1"],
+)
+def test_experts_on_their_own_mesh_match_the_analytic_state(
+    world_size: int, replicate: int, ep: int, experts: int
+) -> None:
+    """Experts on their own mesh (``efsdp = shard / ep``; ``Shard(1)`` where an ep rank holds fewer experts than
+    efsdp has ranks): every rank's state exactly the formulas with each mesh's shard group, FSDP collectives the
+    minimum, the per-mesh figures adding up to the totals, each layer's experts a unit of their own."""
+    args = {**SMALL_MOE, "num_experts": experts}
+    config = PlanConfig(model="moe", model_args=args, world_size=world_size, replicate=replicate, ep=ep, seq_len=11)
+    for rank in (0, world_size - 1):
+        result = fp.plan(replace(config, rank=rank))
+        record = result.record
+        assert (record.sharded_param_bytes, record.grad_bytes, record.optimizer_bytes) == (
+            result.state.params,
+            result.state.grads,
+            result.state.optimizer,
+        )
+        for kind, minimum in result.min_collectives.items():
+            groups = record.fsdp_collectives().get(kind, {})
+            if kind == "all_reduce":  # the replicas' (the others: the step's agreement)
+                groups = {"replicate": groups["replicate"]}
+            assert sum(g["bytes"] for g in groups.values()) == minimum, kind
+        dense, moe = record.meshes["dense"], record.meshes["experts"]
+        assert moe["dims"]["efsdp"] == world_size // (replicate * ep)
+        for field in ("sharded_param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert dense[field] + moe[field] == getattr(record, field), field
+        assert dense["parameters"] + moe["parameters"] == record.parameters
+        # 2 layers x (forward, backward) x (dispatch, combine): tokens every way, over the ep ranks
+        assert sum(g["calls"] for g in record.collectives["all_to_all"].values()) == 8
+        names = [unit["name"] for unit in record.schedule["units"]]
+        assert names.count("model.layers.0") == 1 and sum(n.startswith("model.layers.0 on") for n in names) == 1
+
+
+def test_expert_parallel_needs_a_divisor_of_the_shard_dim_and_a_plan() -> None:
+    with pytest.raises(ValueError, match="ep 3 does not divide"):
+        fp.plan(PlanConfig(model="moe", model_args=SMALL_MOE, world_size=4, ep=3))
+    with pytest.raises(ValueError, match="does not combine ep with tp"):
+        fp.plan(PlanConfig(model="moe", model_args=SMALL_MOE, world_size=4, ep=2, tp=2))
+    with pytest.raises(ValueError, match="has no expert-parallel plan"):
+        fp.plan(PlanConfig(model="gpt", model_args=SMALL_GPT, world_size=4, ep=2))
 
 
 # ---------------------------------------------------------------------- the engine's schedule

@@ -5,6 +5,7 @@ Examples::
     python -m fsdp_compose.plan --model llama-70b --world-size 1024 --param-dtype bf16 --reduce-dtype fp32
     python -m fsdp_compose.plan --model llama-8b --world-size 64 --replicate 8           # HSDP 8 x 8
     python -m fsdp_compose.plan --model llama-8b --world-size 64 --tp 8                  # FSDP 8 x TP 8
+    python -m fsdp_compose.plan --model moe-30b-a3b --world-size 64 --ep 8 --param-dtype bf16   # experts on EP 8
     python -m fsdp_compose.plan --model gpt --sweep 8,64,256,1024 --plot sweep.png --json sweep.json
     python -m fsdp_compose.plan --model mypkg.models:build --model-arg width=4096 --world-size 128
 """
@@ -57,6 +58,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", "-n", type=int, default=8, help="total ranks (default 8)")
     p.add_argument("--replicate", type=int, default=1, help="HSDP: replicate degree (shard = N / replicate / tp)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the model's TP plan)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models: experts on their own mesh)")
     p.add_argument("--rank", type=int, default=0, help="the rank to simulate (default 0)")
     p.add_argument("--param-dtype", choices=sorted(DTYPES), help="MixedPrecisionPolicy.param_dtype")
     p.add_argument("--reduce-dtype", choices=sorted(DTYPES), help="MixedPrecisionPolicy.reduce_dtype")
@@ -80,6 +82,7 @@ def _config(ns: argparse.Namespace) -> PlanConfig:
         world_size=ns.world_size,
         replicate=ns.replicate,
         tp=ns.tp,
+        ep=ns.ep,
         rank=ns.rank,
         param_dtype=ns.param_dtype,
         reduce_dtype=ns.reduce_dtype,

@@ -18,6 +18,10 @@ Collectives, per rank and step (the minimum: one gather per pass):
   blocks) and once for one kept (the root);
 - reduce-scatter: ``S * seg_u`` elements in ``reduce_dtype`` per trainable unit (counted: ``S * (seg_u + Z_u)``);
 - HSDP all-reduce over the replicate group: ``seg_u`` elements per trainable unit (counted: ``seg_u + Z_u``).
+
+Experts on their own mesh (``ep > 1``) are a unit of their own beside their block's (a sibling): the same formulas
+with ``S`` the experts' shard group (``shard / ep`` ranks) and rows counted on the dim they are sharded on
+(``Shard(1)`` where an ep rank holds fewer experts than that group has ranks).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ __all__ = [
     "StateBytes",
     "gather_passes",
     "ideal_collective_bytes",
+    "mesh_groups",
     "min_collective_bytes",
     "owned_rows",
     "padded_rows",
@@ -54,9 +59,26 @@ def owned_rows(dim0: int, shards: int, rank: int) -> int:
     return max(0, min(rows, dim0 - rank * rows))
 
 
+def _row_numel(p: ParamInfo) -> int:
+    """Elements of one row on the dim ``p`` is sharded on."""
+    return math.prod(p.shape) // p.shape[p.shard_dim] if p.shape[p.shard_dim] else 0
+
+
 def segment_numel(params: Sequence[ParamInfo], shards: int) -> int:
     """Elements of one rank's flat segment of a unit (0-dim parameters are kept whole, outside it)."""
-    return sum(padded_rows(p.shape[0], shards) * math.prod(p.shape[1:]) for p in params if p.shape)
+    return sum(padded_rows(p.shape[p.shard_dim], shards) * _row_numel(p) for p in params if p.shape)
+
+
+def mesh_groups(infos: Sequence[ParamInfo], config: PlanConfig) -> list[tuple[list[ParamInfo], int, int]]:
+    """A unit's parameters by data-parallel mesh, each with its shard group's size and this rank's index in it:
+    the dense ones on the shard dim, the experts (if any) on ``efsdp``."""
+    shard_rank = config.rank % config.shard if config.tp == 1 else (config.rank // config.tp) % config.shard
+    dense = [p for p in infos if not p.expert]
+    experts = [p for p in infos if p.expert]
+    groups = [(dense, config.shard, shard_rank)] if dense or not experts else []
+    if experts:
+        groups.append((experts, config.expert_shard, shard_rank // config.ep))
+    return groups
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -86,22 +108,21 @@ def _dtypes(config: PlanConfig, params: Sequence[ParamInfo]) -> tuple[torch.dtyp
 
 def sharded_state(units: Mapping[str, Sequence[ParamInfo]], config: PlanConfig) -> StateBytes:
     """Exact per-rank bytes of the sharded parameters, gradients and optimizer state (see the module docstring)."""
-    shards = config.shard
-    rank = config.rank % shards if config.tp == 1 else (config.rank // config.tp) % shards
     params = grads = optimizer = 0
     per_param_state = {"adamw": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}[config.optimizer]
-    for infos in units.values():
-        stored, _, reduced = _dtypes(config, infos)
-        seg = segment_numel(infos, shards)
-        scalars = [p for p in infos if not p.shape]
-        params += seg * _size(stored) + sum(_size(p.dtype) for p in scalars)
-        trainable = [p for p in infos if p.trainable]
-        if trainable:
-            grads += (seg + sum(1 for p in trainable if not p.shape)) * _size(reduced)
-        for p in trainable:
-            local = owned_rows(p.shape[0], shards, rank) * math.prod(p.shape[1:]) if p.shape else 1
-            optimizer += per_param_state * local * _size(p.dtype)
-            optimizer += 4 if config.optimizer == "adamw" else 0
+    for unit in units.values():
+        for infos, shards, rank in mesh_groups(unit, config):
+            stored, _, reduced = _dtypes(config, infos)
+            seg = segment_numel(infos, shards)
+            scalars = [p for p in infos if not p.shape]
+            params += seg * _size(stored) + sum(_size(p.dtype) for p in scalars)
+            trainable = [p for p in infos if p.trainable]
+            if trainable:
+                grads += (seg + sum(1 for p in trainable if not p.shape)) * _size(reduced)
+            for p in trainable:
+                local = owned_rows(p.shape[p.shard_dim], shards, rank) * _row_numel(p) if p.shape else 1
+                optimizer += per_param_state * local * _size(p.dtype)
+                optimizer += 4 if config.optimizer == "adamw" else 0
     return StateBytes(params, grads, optimizer)
 
 
@@ -110,13 +131,14 @@ def zero3_floor(units: Mapping[str, Sequence[ParamInfo]], config: PlanConfig) ->
     data-parallel shards, no padding, no flags (what padding and layout add is the measured state minus this)."""
     per_param_state = {"adamw": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}[config.optimizer]
     total = 0.0
-    for infos in units.values():
-        stored, _, reduced = _dtypes(config, infos)
-        for p in infos:
-            numel = math.prod(p.shape)
-            total += numel * _size(stored) / config.shard
-            if p.trainable:
-                total += numel * (_size(reduced) + per_param_state * _size(p.dtype)) / config.shard
+    for unit in units.values():
+        for infos, shards, _ in mesh_groups(unit, config):
+            stored, _, reduced = _dtypes(config, infos)
+            for p in infos:
+                numel = math.prod(p.shape)
+                total += numel * _size(stored) / shards
+                if p.trainable:
+                    total += numel * (_size(reduced) + per_param_state * _size(p.dtype)) / shards
     return round(total)
 
 
@@ -132,18 +154,18 @@ def min_collective_bytes(
     units: Mapping[str, Sequence[ParamInfo]], config: PlanConfig, *, root: str = "root"
 ) -> dict[str, int]:
     """The least bytes per kind one rank's FSDP collectives can move in a step (see the module docstring)."""
-    shards = config.shard
     gather = reduce = all_reduce = 0
-    for name, infos in units.items():
-        _, gathered, reduced = _dtypes(config, infos)
-        seg = segment_numel(infos, shards)
-        if shards > 1 and seg:
-            gather += gather_passes(config, name, root) * shards * seg * _size(gathered)
-        if any(p.trainable for p in infos) and seg:
-            if shards > 1:
-                reduce += shards * seg * _size(reduced)
-            if config.replicate > 1:
-                all_reduce += seg * _size(reduced)
+    for name, unit in units.items():
+        for infos, shards, _ in mesh_groups(unit, config):
+            _, gathered, reduced = _dtypes(config, infos)
+            seg = segment_numel(infos, shards)
+            if shards > 1 and seg:
+                gather += gather_passes(config, name, root) * shards * seg * _size(gathered)
+            if any(p.trainable for p in infos) and seg:
+                if shards > 1:
+                    reduce += shards * seg * _size(reduced)
+                if config.replicate > 1:
+                    all_reduce += seg * _size(reduced)
     result = {"all_gather": gather, "reduce_scatter": reduce}
     if config.replicate > 1:
         result["all_reduce"] = all_reduce
@@ -153,14 +175,14 @@ def min_collective_bytes(
 def ideal_collective_bytes(units: Mapping[str, Sequence[ParamInfo]], config: PlanConfig, *, root: str = "root") -> int:
     """:func:`min_collective_bytes` without padding: every parameter moved exactly once per pass (what padding to
     ``ceil(dim0 / S)`` rows adds is the minimum minus this)."""
-    shards = config.shard
     total = 0
-    for name, infos in units.items():
-        _, gathered, reduced = _dtypes(config, infos)
-        numel = sum(math.prod(p.shape) for p in infos if p.shape)
-        trainable = sum(math.prod(p.shape) for p in infos if p.shape and p.trainable)
-        if shards > 1:
-            total += gather_passes(config, name, root) * numel * _size(gathered) + trainable * _size(reduced)
-        if config.replicate > 1:
-            total += -(-trainable // shards) * _size(reduced)
+    for name, unit in units.items():
+        for infos, shards, _ in mesh_groups(unit, config):
+            _, gathered, reduced = _dtypes(config, infos)
+            numel = sum(math.prod(p.shape) for p in infos if p.shape)
+            trainable = sum(math.prod(p.shape) for p in infos if p.shape and p.trainable)
+            if shards > 1:
+                total += gather_passes(config, name, root) * numel * _size(gathered) + trainable * _size(reduced)
+            if config.replicate > 1:
+                total += -(-trainable // shards) * _size(reduced)
     return total

@@ -7,29 +7,39 @@ Presets (``--model NAME``; ``--model-arg key=value`` changes a config field):
 - ``llama-1b``, ``llama-8b``, ``llama-70b``: Llama-3-shaped decoders with Hugging Face's module layout
   (``model.embed_tokens``, ``model.layers[i].self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, RMSNorm,
   rotary embeddings, grouped-query attention, SwiGLU); 1B ties the output head to the embedding like Llama 3.2 1B.
+- ``moe``, ``moe-30b-a3b``: the same decoder with a mixture of experts in place of each MLP (a router, top-k
+  routing, grouped SwiGLU experts as 3-D weights, torchtitan's layout); 30B-A3B has Qwen3-30B-A3B's sizes (128
+  experts, 8 routed per token; heads of ``dim / n_heads``). Tokens go to their experts with a fixed capacity per
+  expert (GShard's dispatch: shapes that do not depend on the routing, so a simulated rank moves exactly what a
+  balanced real one does); with expert parallel (``--ep``) by an all-to-all over the ``ep`` ranks each way.
 
 Every preset shards each block (``blocks[i]`` / ``model.layers[i]``) as a unit, then the root (the torchtitan
-recipe), and has a tensor-parallel plan for ``--tp``: column-wise in-projections, row-wise out-projections.
+recipe), and has a tensor-parallel plan for ``--tp``: column-wise in-projections, row-wise out-projections (the MoE
+presets: attention only). The MoE presets have an expert-parallel plan for ``--ep``: each rank holds ``1 / ep`` of
+every layer's experts, which fully_shard then shards over their own data-parallel mesh (``efsdp``).
 Builders only construct modules; the planner calls them under ``FakeTensorMode`` so no parameter memory is used.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from .gpt import GPT, Block, GPTConfig
 
-__all__ = ["GPT", "PRESETS", "GPTConfig", "Llama", "LlamaConfig", "ModelSpec", "load_model_spec"]
+__all__ = ["GPT", "PRESETS", "GPTConfig", "Llama", "LlamaConfig", "MoEConfig", "ModelSpec", "load_model_spec"]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -42,7 +52,9 @@ class ModelSpec:
 
     ``units``: the submodules sharded first, each its own unit (the root takes the rest). ``make_batch(batch, seq)``
     returns ``(inputs, targets)`` for one data-parallel rank. ``tp_plan(model, tp_mesh)`` applies tensor parallelism
-    (``None``: the model has no plan; planning with ``--tp`` then fails).
+    (``None``: the model has no plan; planning with ``--tp`` then fails). ``ep_plan(model, ep_mesh)`` applies expert
+    parallelism and returns the names of the parameters it distributed over ``ep_mesh`` (the experts, which are
+    then sharded over their own data-parallel mesh; ``None``: no plan, planning with ``--ep`` fails).
     """
 
     model: nn.Module
@@ -50,6 +62,7 @@ class ModelSpec:
     make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
+    ep_plan: Callable[[nn.Module, DeviceMesh], list[str]] | None = None
     description: dict[str, Any] = field(default_factory=dict)
 
 
@@ -88,6 +101,19 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class MoEConfig(LlamaConfig):
+    """A Llama decoder whose MLPs are mixtures of ``num_experts`` experts, ``top_k`` per token (``ffn_dim`` unused).
+
+    ``capacity_factor``: each expert takes at most ``ceil(tokens * top_k / num_experts * capacity_factor)`` tokens
+    of a rank's batch (the rest are dropped, GShard's rule)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_ffn_dim: int = 512
+    capacity_factor: float = 1.25
 
 
 class RMSNorm(nn.Module):
@@ -141,6 +167,91 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
 
 
+class GroupedExperts(nn.Module):
+    """SwiGLU experts as 3-D weights, expert first (``w1``, ``w3``: ``[experts, hidden, dim]``; ``w2``:
+    ``[experts, dim, hidden]``), applied with batched matmuls to ``[experts, tokens, dim]``. Under expert parallel the
+    weights are DTensors sharded on the expert dim over the ``ep`` mesh, and each rank computes its own experts."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        shape = (cfg.num_experts, cfg.expert_ffn_dim, cfg.dim)
+        self.w1 = nn.Parameter(torch.empty(shape))
+        self.w2 = nn.Parameter(torch.empty(cfg.num_experts, cfg.dim, cfg.expert_ffn_dim))
+        self.w3 = nn.Parameter(torch.empty(shape))
+        for weight in (self.w1, self.w2, self.w3):
+            nn.init.normal_(weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        hidden = F.silu(torch.bmm(x, w1.transpose(1, 2))) * torch.bmm(x, w3.transpose(1, 2))
+        return torch.bmm(hidden, w2.transpose(1, 2))
+
+
+class MoE(nn.Module):
+    """Top-k routing over ``experts`` with a fixed capacity per expert; ``ep_group`` set by :func:`moe_ep_plan`."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.capacity_factor = cfg.num_experts, cfg.top_k, cfg.capacity_factor
+        self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
+        self.experts = GroupedExperts(cfg)
+        self.ep_group: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dim = x.shape, x.shape[-1]
+        tokens = x.reshape(-1, dim)
+        scores = torch.softmax(self.router(tokens).float(), dim=-1)
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        experts = self.num_experts
+        capacity = math.ceil(tokens.shape[0] * self.top_k / experts * self.capacity_factor)
+        flat = chosen.reshape(-1)
+        one_hot = F.one_hot(flat, experts)
+        position = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1)
+        # a token over its expert's capacity goes to a spare last row, dropped
+        slot = torch.where(position < capacity, flat * capacity + position, experts * capacity)
+        routed = tokens.new_zeros(experts * capacity + 1, dim).index_add(
+            0, slot, tokens.repeat_interleave(self.top_k, 0)
+        )
+        out = self._run_experts(routed[:-1].view(experts, capacity, dim))
+        picked = torch.cat([out.reshape(-1, dim), out.new_zeros(1, dim)])[slot]
+        combined = (picked * weights.reshape(-1, 1).to(picked.dtype)).view(-1, self.top_k, dim).sum(1)
+        return combined.view(shape)
+
+    def _run_experts(self, dispatched: torch.Tensor) -> torch.Tensor:
+        if self.ep_group is None:
+            return self.experts(dispatched)  # type: ignore[no-any-return]
+        experts, capacity, dim = dispatched.shape
+        ep = dist.get_world_size(self.ep_group)
+        local = experts // ep
+        # rank j's experts are rows [j * local, (j + 1) * local): an even all-to-all sends each rank its experts'
+        # tokens and brings back, from every rank, the tokens routed to this rank's experts
+        received = _AllToAll.apply(dispatched.reshape(-1, dim), self.ep_group)
+        inputs = received.view(ep, local, capacity, dim).transpose(0, 1).reshape(local, ep * capacity, dim)
+        outputs = self.experts(inputs).view(local, ep, capacity, dim).transpose(0, 1).reshape(-1, dim)
+        return _AllToAll.apply(outputs, self.ep_group).view(experts, capacity, dim)  # type: ignore[no-any-return]
+
+
+class _AllToAll(torch.autograd.Function):
+    """An even all-to-all over ``group`` (its gradient: the same the other way), through ``dist.all_to_all_single``
+    both ways so that a :class:`fsdp_compose.CollectiveRecorder` sees the backward's too (torch's autograd
+    functional collective issues its backward from C++)."""
+
+    @staticmethod
+    def forward(ctx: Any, tokens: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(tokens, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_to_all(grad, ctx.group), None
+
+
+def _all_to_all(tokens: torch.Tensor, group: Any) -> torch.Tensor:
+    out = torch.empty_like(tokens)
+    dist.all_to_all_single(out, tokens.contiguous(), group=group)
+    return out
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -148,7 +259,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp: nn.Module = MoE(cfg) if isinstance(cfg, MoEConfig) else LlamaMLP(cfg)
 
     def _body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -216,11 +327,57 @@ def llama_spec(cfg: LlamaConfig) -> ModelSpec:
     return ModelSpec(model, list(model.model.layers), _token_batch(cfg.vocab_size), cross_entropy, llama_tp_plan)
 
 
+def moe_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Attention as in :func:`llama_tp_plan`; routers and experts replicated over the ``tp`` ranks."""
+    assert isinstance(model, Llama)
+    colwise = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+    for layer in model.model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)
+        parallelize_module(layer.self_attn, tp_mesh, {**colwise, "o_proj": RowwiseParallel()})
+
+
+def moe_ep_plan(model: nn.Module, ep_mesh: DeviceMesh) -> list[str]:
+    """Every layer's experts sharded on the expert dim over ``ep_mesh`` (``Shard(0)``), their tokens moved there and
+    back by all-to-alls; returns the expert weights' names."""
+    assert isinstance(model, Llama)
+    names = []
+    for path, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        if module.num_experts % ep_mesh.size():
+            raise ValueError(f"{path}: {module.num_experts} experts do not split over {ep_mesh.size()} ep ranks")
+        for name, weight in list(module.experts.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(weight.detach(), ep_mesh, [Shard(0)]))
+            module.experts.register_parameter(name, sharded)
+            names.append(f"{path}.experts.{name}")
+        module.ep_group = ep_mesh.get_group()
+    return names
+
+
+def moe_spec(cfg: MoEConfig) -> ModelSpec:
+    model = Llama(cfg)
+    units = list(model.model.layers)
+    return ModelSpec(model, units, _token_batch(cfg.vocab_size), cross_entropy, moe_tp_plan, moe_ep_plan)
+
+
 # ---------------------------------------------------------------------- registry
 _LLAMA_1B = LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, tie_embeddings=True)
 _LLAMA_8B = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
 _LLAMA_70B = LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672)
 _GPT_124M = GPTConfig(vocab_size=50304, seq_len=1024, dim=768, n_layers=12, n_heads=12)
+_MOE = MoEConfig(vocab_size=32000, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, num_experts=8, top_k=2)
+_MOE_30B_A3B = MoEConfig(
+    vocab_size=151936,
+    dim=2048,
+    n_layers=48,
+    n_heads=32,
+    n_kv_heads=4,
+    num_experts=128,
+    top_k=8,
+    expert_ffn_dim=768,
+    rope_theta=1000000.0,
+    norm_eps=1e-6,
+)
 
 PRESETS: dict[str, tuple[Any, Callable[[Any], ModelSpec]]] = {
     "gpt": (GPTConfig(), gpt_spec),
@@ -228,6 +385,8 @@ PRESETS: dict[str, tuple[Any, Callable[[Any], ModelSpec]]] = {
     "llama-1b": (_LLAMA_1B, llama_spec),
     "llama-8b": (_LLAMA_8B, llama_spec),
     "llama-70b": (_LLAMA_70B, llama_spec),
+    "moe": (_MOE, moe_spec),
+    "moe-30b-a3b": (_MOE_30B_A3B, moe_spec),
 }
 
 

@@ -79,6 +79,12 @@ def _notes(config: PlanConfig, record: StepRecord) -> list[str]:
             "Tensor parallel: DTensor's redistributions are counted as the collectives it issues (group 'tp'); "
             "they carry activations, so no minimum is given for them."
         )
+    if config.ep > 1:
+        notes.append(
+            f"Expert parallel: each ep rank holds 1/{config.ep} of the experts, sharded over efsdp "
+            f"({config.expert_shard} ranks); the all-to-alls move tokens (activations, no minimum), as many as a "
+            "balanced routing would: every expert takes its capacity's worth of rows, used or not."
+        )
     if not config.foreach and config.optimizer != "none":
         notes.append(
             "Optimizer: the per-parameter loop (torch's CPU default); torch's CUDA default, foreach=True, adds "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .planner import PlanResult
-from .step import PHASES
+from .step import PHASES, moves_activations
 
 __all__ = ["fmt_bytes", "render", "render_sweep"]
 
@@ -97,12 +97,12 @@ def _collectives(result: PlanResult) -> list[str]:
     record = result.record
     rows = [["collectives per step", "group", "calls", "bytes", "minimum", "bytes / minimum"]]
     for kind, groups in record.collectives.items():
-        fsdp_groups = {name: g for name, g in groups.items() if name != "tp"}
+        fsdp_groups = record.fsdp_collectives().get(kind, {})
         minimum = result.min_collectives.get(kind, 0)
         kind_bytes = sum(g["bytes"] for g in fsdp_groups.values())
         first = True
         for group, figures in groups.items():
-            show = first and group != "tp" and minimum > 0
+            show = first and not moves_activations(kind, group) and minimum > 0
             rows.append(
                 [
                     kind,
@@ -114,12 +114,32 @@ def _collectives(result: PlanResult) -> list[str]:
                 ]
             )
             first = first and not show
-    fsdp = sum(g["bytes"] for groups in record.collectives.values() for name, g in groups.items() if name != "tp")
+    fsdp = record.fsdp_collective_bytes
     minimum = sum(result.min_collectives.values())
     rows.append(["total (FSDP)", "", "", fmt_bytes(fsdp), fmt_bytes(minimum), _ratio(fsdp, minimum)])
     ideal = result.ideal_collective_bytes
     rows.append(["total without padding", "", "", "", fmt_bytes(ideal), _ratio(fsdp, ideal)])
     return _table(rows, right=(2, 3, 4, 5))
+
+
+def _meshes(result: PlanResult) -> list[str]:
+    """Per data-parallel mesh (shown when the experts have their own): what this rank holds and moves on it."""
+    meshes = result.record.meshes
+    if len(meshes) < 2:
+        return []
+    rows = [["per mesh", "dims", "parameters", "sharded", "gradients", "optimizer", "all-gather", "reduce-scatter"]]
+    for name, figures in meshes.items():
+        dims = " x ".join(f"{dim} {size}" for dim, size in figures["dims"].items())
+        rows.append(
+            [
+                name,
+                dims,
+                f"{figures['parameters'] / 1e6:.2f} M",
+                *(fmt_bytes(figures[key]) for key in ("sharded_param_bytes", "grad_bytes", "optimizer_bytes")),
+                *(fmt_bytes(figures[key]) for key in ("all_gather", "reduce_scatter")),
+            ]
+        )
+    return [*_table(rows, right=tuple(range(2, 8))), ""]
 
 
 def _schedule(result: PlanResult) -> list[str]:
@@ -137,7 +157,7 @@ def _schedule(result: PlanResult) -> list[str]:
 
 def render(result: PlanResult) -> str:
     """The full text report of one plan."""
-    lines = [*_describe(result), "", *_schedule(result), *_memory(result)]
+    lines = [*_describe(result), "", *_schedule(result), *_meshes(result), *_memory(result)]
     for phase in ("forward", "backward"):
         lines += ["", *_composition(result, phase)]
     lines += [""] + _collectives(result) + [""] + [f"note: {note}" for note in result.notes]
@@ -164,7 +184,7 @@ def render_sweep(results: Sequence[PlanResult]) -> str:
     for result in results:
         record = result.record
         minimum = sum(result.min_collectives.values())
-        fsdp = sum(g["bytes"] for groups in record.collectives.values() for name, g in groups.items() if name != "tp")
+        fsdp = record.fsdp_collective_bytes
         rows.append(
             [
                 str(result.config.world_size),

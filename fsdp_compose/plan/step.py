@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
 import fsdp_compose as fc
@@ -61,6 +62,14 @@ CATEGORIES = (
     BATCH,
 )
 PHASES = ("forward", "backward", "optimizer")
+
+
+def moves_activations(kind: str, group: str) -> bool:
+    """Collectives that are not FSDP's: tensor parallel's redistributions, expert parallel's all-to-alls (over the
+    ``ep`` group, which under ``ep == shard`` is the shard dim's group)."""
+    return group == "tp" or kind == "all_to_all"
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "none")
 
@@ -70,11 +79,13 @@ class PlanConfig:
     """What to build and how to train it. ``world_size = replicate x shard x tp``.
 
     ``replicate > 1``: HSDP (``(replicate, shard)`` mesh). ``tp > 1``: the model's tensor-parallel plan on the last
-    mesh dimension, FSDP over the others. ``reshard_after_forward`` applies to the blocks; the root keeps
-    fsdp_compose's default (kept gathered). ``foreach``: the optimizer's multi-tensor implementation (torch's
-    default on CUDA; on CPU torch defaults to the per-parameter loop). ``batch_size`` and ``seq_len`` are per
-    data-parallel rank;
-    ``seq_len=None`` takes the model's own ``seq_len`` (else 2048). ``rank``: which rank to simulate.
+    mesh dimension, FSDP over the others. ``ep > 1``: the model's expert-parallel plan over groups of ``ep``
+    consecutive ranks of the shard dim, the experts sharded over the other ``shard / ep`` ranks (``efsdp``; with
+    HSDP replicated as the dense weights are), torchtitan's layout. ``reshard_after_forward`` applies to the
+    blocks; the root keeps fsdp_compose's default (kept gathered). ``foreach``: the optimizer's multi-tensor
+    implementation (torch's default on CUDA; on CPU torch defaults to the per-parameter loop). ``batch_size`` and
+    ``seq_len`` are per data-parallel rank; ``seq_len=None`` takes the model's own ``seq_len`` (else 2048).
+    ``rank``: which rank to simulate.
     ``warmup_steps``: steps before the measured one (default: see :attr:`warmup`).
     """
 
@@ -83,6 +94,7 @@ class PlanConfig:
     world_size: int = 8
     replicate: int = 1
     tp: int = 1
+    ep: int = 1
     rank: int = 0
     param_dtype: str | None = None
     reduce_dtype: str | None = None
@@ -98,9 +110,18 @@ class PlanConfig:
     def shard(self) -> int:
         return self.world_size // (self.replicate * self.tp)
 
+    @property
+    def expert_shard(self) -> int:
+        """Ranks an expert's weights are sharded over (``efsdp``): the shard dim's, less the ``ep`` ones."""
+        return self.shard // self.ep
+
     def validate(self) -> None:
-        if self.world_size < 1 or self.replicate < 1 or self.tp < 1:
-            raise ValueError("world_size, replicate and tp must be positive")
+        if self.world_size < 1 or self.replicate < 1 or self.tp < 1 or self.ep < 1:
+            raise ValueError("world_size, replicate, tp and ep must be positive")
+        if self.shard % self.ep:
+            raise ValueError(f"ep {self.ep} does not divide the shard dim's {self.shard} ranks")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError("the planner does not combine ep with tp (experts split by tensor parallel); use one")
         if self.world_size % (self.replicate * self.tp):
             raise ValueError(
                 f"world size {self.world_size} is not divisible by replicate x tp = {self.replicate * self.tp}"
@@ -131,15 +152,22 @@ class PlanConfig:
         return dims
 
     def mesh_name(self) -> str:
-        return " x ".join(f"{name} {size}" for name, size in self.mesh_dims().items())
+        name = " x ".join(f"{name} {size}" for name, size in self.mesh_dims().items())
+        return f"{name} (efsdp {self.expert_shard} x ep {self.ep})" if self.ep > 1 else name
 
 
 @dataclass
 class MeshSetup:
+    """The meshes of a :class:`PlanConfig`. Under expert parallel, ``experts`` is ``dp_mesh``'s shard dim unflattened
+    into ``(efsdp, ep)`` (with ``replicate`` in front for HSDP): ``expert_dp_mesh`` (the experts' data-parallel mesh)
+    and ``ep_mesh`` are its slices."""
+
     mesh: DeviceMesh
     dp_mesh: DeviceMesh
     tp_mesh: DeviceMesh | None
     group_labels: dict[str, str]
+    ep_mesh: DeviceMesh | None = None
+    expert_dp_mesh: DeviceMesh | None = None
 
 
 def build_mesh(config: PlanConfig, device_type: str = "cpu", mesh: DeviceMesh | None = None) -> MeshSetup:
@@ -161,7 +189,52 @@ def build_mesh(config: PlanConfig, device_type: str = "cpu", mesh: DeviceMesh | 
     setting = config.reshard_after_forward
     post_forward = not isinstance(setting, bool) and 1 < setting < config.shard
     _make_groups(dp_mesh, setting if post_forward else True, mesh.device_type)
-    return MeshSetup(mesh, dp_mesh, tp_mesh, labels)
+    setup = MeshSetup(mesh, dp_mesh, tp_mesh, labels)
+    if config.ep > 1:
+        _expert_meshes(setup, config)
+    return setup
+
+
+def _expert_meshes(setup: MeshSetup, config: PlanConfig) -> None:
+    """Unflatten the shard dim into ``(efsdp, ep)``, name their groups, and have fsdp_compose make the groups and
+    the combined mesh it needs for experts on their own mesh now, outside ``FakeTensorMode`` (see _make_groups)."""
+    dp = setup.dp_mesh
+    names = ("efsdp", "ep")
+    experts = dp._unflatten(dp.ndim - 1, (config.expert_shard, config.ep), names)
+    setup.ep_mesh = experts["ep"]
+    setup.expert_dp_mesh = experts[("replicate", "efsdp")] if config.replicate > 1 else experts["efsdp"]
+    for name in names:  # a group of the shard dim's ranks (ep == shard) keeps its name
+        setup.group_labels.setdefault(str(experts.get_group(name).group_name), name)
+    module = nn.Module()
+    with torch.device(dp.device_type):
+        module.register_parameter(
+            "w", nn.Parameter(distribute_tensor(torch.zeros(config.ep, 1), setup.ep_mesh, [Shard(0)]))
+        )
+        fc.fully_shard(module, mesh=dp, shard_placement_fn=expert_placement(setup, {"w"}, module))
+
+
+def expert_placement(
+    setup: MeshSetup, expert_names: set[str], model: nn.Module
+) -> Callable[[nn.Parameter], ShardPlacementResult | None]:
+    """``shard_placement_fn`` putting the parameters named ``expert_names`` (paths under ``model``) on the experts'
+    data-parallel mesh: ``Shard(0)`` (whole experts) where each ep rank holds at least as many experts as that mesh
+    shards over, else ``Shard(1)`` (torchtitan's rule); the other parameters are left to ``fully_shard``."""
+    mesh = setup.expert_dp_mesh
+    assert mesh is not None
+    if mesh.ndim == 2:
+        info: FSDPMeshInfo = HSDPMeshInfo(mesh=mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    else:
+        info = FSDPMeshInfo(mesh=mesh, shard_mesh_dim=0)
+    shards = mesh.size(mesh.ndim - 1)
+    experts = {id(param) for name, param in model.named_parameters() if name in expert_names}
+
+    def placement(param: nn.Parameter) -> ShardPlacementResult | None:
+        if id(param) not in experts:
+            return None
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return ShardPlacementResult(placement=Shard(0 if local.shape[0] >= shards else 1), mesh_info=info)
+
+    return placement
 
 
 def _make_groups(dp_mesh: DeviceMesh, setting: bool | int, device_type: str) -> None:
@@ -188,6 +261,7 @@ class Setup:
     unit_params: dict[str, list[ParamInfo]]  # name -> what fully_shard got (TP-local shapes), before sharding
     seq_len: int
     optimizer_shapes: list[tuple[int, ...]]  # trainable parameters in the optimizer's order, as fully_shard got them
+    expert_names: set[str] = field(default_factory=set)  # parameters on the experts' mesh (ModelSpec.ep_plan's)
 
 
 def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -196,16 +270,23 @@ def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ParamInfo:
-    """A parameter as ``fully_shard`` receives it: the shape it shards (the TP-local shape under TP)."""
+    """A parameter as ``fully_shard`` receives it: the shape it shards (the TP- or EP-local shape), and for an
+    expert (on the experts' data-parallel mesh) the dim it is sharded on."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     trainable: bool
+    expert: bool = False
+    shard_dim: int = 0
 
 
-def unit_params(units: list[tuple[str, nn.Module]]) -> dict[str, list[ParamInfo]]:
+def unit_params(
+    units: list[tuple[str, nn.Module]], expert_shard_dims: dict[int, int] | None = None
+) -> dict[str, list[ParamInfo]]:
     """Each unit's parameters in sharding order (inner units first; a parameter belongs to the first unit that has
-    it, as ``fully_shard`` assigns them), described by their local tensor."""
+    it, as ``fully_shard`` assigns them), described by their local tensor. ``expert_shard_dims``: id of each expert
+    parameter -> the dim it is sharded on."""
+    experts = expert_shard_dims or {}
     owned: set[int] = set()
     result: dict[str, list[ParamInfo]] = {}
     for name, module in units:
@@ -215,7 +296,9 @@ def unit_params(units: list[tuple[str, nn.Module]]) -> dict[str, list[ParamInfo]
                 continue
             owned.add(id(param))
             local = param.to_local() if isinstance(param, DTensor) else param
-            infos.append(ParamInfo(_local_shape(param), local.dtype, param.requires_grad))
+            dim = experts.get(id(param))
+            info = ParamInfo(_local_shape(param), local.dtype, param.requires_grad, dim is not None, dim or 0)
+            infos.append(info)
         result[name] = infos
     return result
 
@@ -238,23 +321,38 @@ def build(config: PlanConfig, mesh: MeshSetup) -> Setup:
         if spec.tp_plan is None:
             raise ValueError(f"model {config.model!r} has no tensor-parallel plan; give its ModelSpec a tp_plan")
         spec.tp_plan(model, mesh.tp_mesh)
+    placement = None
+    expert_names: set[str] = set()
+    expert_dims: dict[int, int] = {}
+    if mesh.ep_mesh is not None:
+        if spec.ep_plan is None:
+            raise ValueError(f"model {config.model!r} has no expert-parallel plan; give its ModelSpec an ep_plan")
+        expert_names = set(spec.ep_plan(model, mesh.ep_mesh))
+        placement = expert_placement(mesh, expert_names, model)
+        for param in model.parameters():
+            chosen = placement(param)
+            if chosen is not None and chosen.placement is not None:
+                expert_dims[id(param)] = chosen.placement.dim
     dtype = {name: DTYPES[value] for name, value in (("p", config.param_dtype), ("r", config.reduce_dtype)) if value}
     policy = fc.MixedPrecisionPolicy(param_dtype=dtype.get("p"), reduce_dtype=dtype.get("r"))
     names = {id(module): name for name, module in model.named_modules()}
-    infos = unit_params([(names[id(unit)], unit) for unit in spec.units] + [("root", model)])
+    infos = unit_params([(names[id(unit)], unit) for unit in spec.units] + [("root", model)], expert_dims)
     order = [_local_shape(p) for p in model.parameters() if p.requires_grad]
     units: dict[str, nn.Module] = {}
+    kwargs: dict[str, Any] = {"mp_policy": policy, "shard_placement_fn": placement}
     for unit in spec.units:
-        fc.fully_shard(unit, mesh=mesh.dp_mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy)
+        fc.fully_shard(unit, mesh=mesh.dp_mesh, reshard_after_forward=config.reshard_after_forward, **kwargs)
+        if expert_names:  # an expert's gradient sums every rank's tokens: divided as the dense ones, not by efsdp
+            fc.set_gradient_divide_factor(unit, float(config.replicate * config.shard))
         units[names[id(unit)]] = unit
-    fc.fully_shard(model, mesh=mesh.dp_mesh, mp_policy=policy)
+    fc.fully_shard(model, mesh=mesh.dp_mesh, **kwargs)
     units["root"] = model
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=mesh.mesh.device_type)
     optimizer = _make_optimizer(config.optimizer, [p for p in model.parameters() if p.requires_grad], config.foreach)
     seq_len = config.seq_len or int(spec.description.get("seq_len", 2048))
     inputs, targets = spec.make_batch(config.batch_size, seq_len)
-    return Setup(spec, optimizer, inputs, targets, units, infos, seq_len, order)
+    return Setup(spec, optimizer, inputs, targets, units, infos, seq_len, order, expert_names)
 
 
 def _own_params(unit: nn.Module, others: set[int]) -> Iterator[torch.Tensor]:
@@ -317,11 +415,11 @@ class UnitWatcher:
 
 
 def _is_sharded(param: nn.Parameter) -> bool:
-    """A parameter registered as fsdp_compose's sharded DTensor (its placements include a data-parallel shard)."""
+    """A parameter registered as fsdp_compose's sharded DTensor (its mesh has the dense or the experts' shard dim)."""
     if not isinstance(param, DTensor):
         return False
     names = param.device_mesh.mesh_dim_names or ()
-    return "shard" in names
+    return "shard" in names or "efsdp" in names
 
 
 def _distinct_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -371,6 +469,7 @@ class StepRecord:
     sharding_propagations: int  # DTensor sharding-propagation cache misses in the measured step (see _notes)
     schedule: dict[str, Any] = field(default_factory=dict)  # the engine's declared schedule: see schedule_record
     collective_sequence: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, group, bytes), in order
+    meshes: dict[str, dict[str, Any]] = field(default_factory=dict)  # per data-parallel mesh: see _per_mesh
     unit_params: dict[str, list[ParamInfo]] = field(default_factory=dict, repr=False)
     optimizer_shapes: list[tuple[int, ...]] = field(default_factory=list, repr=False)
 
@@ -384,6 +483,19 @@ class StepRecord:
 
     def collective_calls(self) -> int:
         return sum(g["calls"] for groups in self.collectives.values() for g in groups.values())
+
+    def fsdp_collectives(self) -> dict[str, dict[str, dict[str, int]]]:
+        """:attr:`collectives` without those that move activations (:func:`moves_activations`)."""
+        found = {}
+        for kind, groups in self.collectives.items():
+            kept = {name: g for name, g in groups.items() if not moves_activations(kind, name)}
+            if kept:
+                found[kind] = kept
+        return found
+
+    @property
+    def fsdp_collective_bytes(self) -> int:
+        return sum(g["bytes"] for groups in self.fsdp_collectives().values() for g in groups.values())
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (without ``unit_params``)."""
@@ -416,7 +528,8 @@ def schedule_record(model: nn.Module, units: dict[str, nn.Module]) -> dict[str, 
     names = {}
     for state in states:
         found = [planner_names[id(m)] for m in state.modules if id(m) in planner_names]
-        names[id(state)] = found[0] if found else state.params.owner_name
+        name = found[0] if found else state.params.owner_name
+        names[id(state)] = f"{name} {state.mesh_label}" if state.mesh_label else name
     schedule = step_schedule(model, names)
     named = {id(u.state): u.name for u in schedule.units}
     return {
@@ -447,14 +560,14 @@ class _Step:
         # buffers of the last reductions were sometimes still alive when the optimizer step started and were counted
         # there (seen: +26% of a tiny model's optimizer phase, 1 step in 15).
         self.settle = settle
-        self.grad_bytes = 0
+        self.grad_bytes = self.expert_grad_bytes = 0
 
     def on_collective(
         self, record: CollectiveRecord, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]
     ) -> None:
         """A :class:`CollectiveRecorder` observer: name the buffers of an FSDP collective."""
-        if self.counter is None or record.group == "tp":
-            return  # tensor-parallel collectives move activations
+        if self.counter is None or moves_activations(record.kind, record.group):
+            return
         if record.kind == "all_gather":
             self.counter.label(outputs + inputs, ALL_GATHER)
         elif record.kind == "reduce_scatter":
@@ -474,9 +587,11 @@ class _Step:
         self.phase("backward")
         loss.backward()
         del loss
-        grads = [p.grad for p in setup.spec.model.parameters() if p.grad is not None]
-        self.grad_bytes = _distinct_bytes(grads)
-        del grads
+        grads = {name: p.grad for name, p in setup.spec.model.named_parameters() if p.grad is not None}
+        self.grad_bytes = _distinct_bytes(list(grads.values()))
+        experts = [grad for name, grad in grads.items() if name in setup.expert_names]
+        self.expert_grad_bytes = _distinct_bytes(experts)
+        del grads, experts
         if self.settle is not None:
             self.settle()
         self.phase("optimizer")
@@ -486,6 +601,46 @@ class _Step:
         else:
             for p in setup.spec.model.parameters():
                 p.grad = None
+
+
+def _per_mesh(
+    config: PlanConfig, setup: Setup, step: _Step, collectives: dict[str, dict[str, dict[str, int]]]
+) -> dict[str, dict[str, Any]]:
+    """What this rank holds and moves per data-parallel mesh (``"dense"``; ``"experts"`` under expert parallel):
+    its dims, the parameters on it (global count), their sharded bytes, gradients and optimizer state, and the
+    all-gather and reduce-scatter bytes over its shard group (an HSDP all-reduce goes over the replicate group, which
+    both meshes share: see the collectives by group)."""
+    dims = config.mesh_dims()
+    on_mesh: dict[str, list[torch.Tensor]] = {"dense": [], "experts": []}
+    for name, param in setup.spec.model.named_parameters():
+        on_mesh["experts" if name in setup.expert_names else "dense"].append(param)
+    shard_dims = {"dense": "shard", "experts": "efsdp"}
+    if config.ep > 1:
+        replicate = {"replicate": config.replicate} if config.replicate > 1 else {}
+        mesh_dims = {"dense": dims, "experts": {**replicate, "efsdp": config.expert_shard, "ep": config.ep}}
+    else:
+        mesh_dims = {"dense": dims}
+    result = {}
+    for mesh_name, params in on_mesh.items():
+        if mesh_name not in mesh_dims:
+            continue
+        state = setup.optimizer.state if setup.optimizer is not None else {}
+        optimizer = [v for p in params for v in state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        shard_dim = shard_dims[mesh_name]
+        result[mesh_name] = {
+            "dims": mesh_dims[mesh_name],
+            "parameters": sum(p.numel() for p in params),
+            "sharded_param_bytes": _distinct_bytes(params),
+            "grad_bytes": step.expert_grad_bytes
+            if mesh_name == "experts"
+            else step.grad_bytes - step.expert_grad_bytes,
+            "optimizer_bytes": _distinct_bytes(optimizer),
+            **{
+                kind: collectives.get(kind, {}).get(shard_dim, {}).get("bytes", 0)
+                for kind in ("all_gather", "reduce_scatter")
+            },
+        }
+    return result
 
 
 def _sharding_cache_misses() -> int:
@@ -572,6 +727,12 @@ def _measure_one(
         group = state.params.post_forward
         if group is not None:
             labels[group.group.group_name] = f"post_forward({group.size})"
+        # reduce-scatters go over a group of the shard dim's ranks of fsdp_compose's own: named as that dim
+        shard_dim = (state.params.dp.mesh.mesh_dim_names or ("shard",))[-1]
+        labels.setdefault(str(state.params.reduce_group.group_name), shard_dim)
+        replicas = state.params.dp.replica_reduce_group
+        if replicas is not None:
+            labels.setdefault(str(replicas.group_name), "replicate")
     recorder = CollectiveRecorder(group_labels=labels, observer=step.on_collective)
     counter.on_new_peak = watcher.label_grads
     misses = _sharding_cache_misses()
@@ -606,6 +767,7 @@ def _measure_one(
         sharding_propagations=misses,
         schedule=schedule,
         collective_sequence=[(r.kind, r.group, r.nbytes) for r in recorder.records],
+        meshes=_per_mesh(config, setup, step, recorder.summary()),
         unit_params=setup.unit_params,
         optimizer_shapes=setup.optimizer_shapes,
     )

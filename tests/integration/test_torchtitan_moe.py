@@ -1,25 +1,33 @@
-"""torchtitan 0.3's Qwen3 MoE model (shrunk) sharded by torchtitan's own ``ParallelDims`` and ``parallelize_qwen3``
-(``model.parallelize`` for expert parallel, then ``apply_fsdp_to_decoder``), on CPU gloo ranks: torch's
-``fully_shard`` against ``fc.fully_shard`` swapped in (docs/integrations.md, "torchtitan").
+"""torchtitan 0.3's MoE models, shrunk, sharded by torchtitan's own ``ParallelDims`` and the model spec's
+parallelize function, on CPU gloo ranks: torch's ``fully_shard`` against ``fc.fully_shard`` swapped in
+(docs/integrations.md, "torchtitan"). Two models (``MODELS``), through the same machinery:
+- Qwen3 MoE (``debugmodel_moe``): 2 MoE layers, GQA attention; ``parallelize_qwen3`` (``model.parallelize`` for
+  expert parallel, then ``apply_fsdp_to_decoder``).
+- DeepSeek-V3 (``debugmodel``): 2 layers, the first with a dense feed-forward, the second a MoE with 2 shared
+  experts; MLA attention (low-rank query and key-value, ranks 16; query/key heads of 16 + 8 rotary dims, value heads
+  of 16; YaRN ``ComplexRoPE``); ``parallelize_deepseekv3`` (``model.parallelize`` for expert parallel, then
+  ``apply_fsdp_to_mtp_decoder``, which is ``apply_fsdp_to_decoder`` with any MTP layers put in ``model.layers`` for
+  the call; none here: MTP is off in torchtitan's model registry by default, and its list output needs ``MTPLoss``).
 
-What it proves, per setting (FSDP only on 2 ranks; expert parallel ep=2 on 2 and on 4 ranks; 2 experts on 4 ranks
-with ep=2, where torchtitan shards the experts on ``Shard(1)``; 2 experts on 4 ranks without EP, ``Shard(1)``
-through a plain placement): 3 AdamW steps of torchtitan's optimizer container (``default_adamw``) with its MoE
-load-balancing hook (``register_moe_load_balancing_hook``, the model spec's ``post_optimizer_build_fn``: an
-optimizer pre-step hook updating ``expert_bias_E`` from ``tokens_per_expert_E``) and torchtitan's
-``clip_grad_norm_`` (``ep_enabled`` as the trainer passes it) give fsdp_compose the losses, grad norms and expert
-biases of torch (rel 1e-5), with no more all-gathers, reduce-scatters or all-to-alls per step. Under EP,
-``apply_fsdp_to_decoder`` gives ``fully_shard`` a ``shard_placement_fn`` returning FSDP2's ``ShardPlacementResult``
-(experts on the ``efsdp`` mesh, the rest on ``fsdp``, both split from torchtitan's one world mesh) and sets explicit
-forward/backward prefetching (FSDP2 methods, bound by ``fsdp2_methods=True``); the test checks which placement
-torchtitan asked for, and that the experts' sharded parameters have torch's mesh, placements and local shape.
+What it proves, per setting (both models: FSDP only on 2 ranks; expert parallel ep=2 on 2 and on 4 ranks. Qwen3
+only: 2 experts on 4 ranks with ep=2, where torchtitan shards the experts on ``Shard(1)``; 2 experts on 4 ranks
+without EP, ``Shard(1)`` through a plain placement): 3 AdamW steps of torchtitan's optimizer container
+(``default_adamw``) with its MoE load-balancing hook (``register_moe_load_balancing_hook``, both model specs'
+``post_optimizer_build_fn``: an optimizer pre-step hook updating each MoE layer's ``expert_bias_E`` from
+``tokens_per_expert_E``) and torchtitan's ``clip_grad_norm_`` (``ep_enabled`` as the trainer passes it) give
+fsdp_compose the losses, grad norms and expert biases of torch (rel 1e-5), with no more all-gathers, reduce-scatters
+or all-to-alls per step. Under EP, ``apply_fsdp_to_decoder`` gives ``fully_shard`` a ``shard_placement_fn``
+returning FSDP2's ``ShardPlacementResult`` (experts on the ``efsdp`` mesh, the rest on ``fsdp``, both split from
+torchtitan's one world mesh) and sets explicit forward/backward prefetching (FSDP2 methods, bound by
+``fsdp2_methods=True``); the test checks which placement torchtitan asked for, and that the experts' sharded
+parameters have torch's mesh, placements and local shape.
 
 Backend: ``spmd_backend="partial_dtensor"``. torchtitan 0.3's default, ``"spmd_types"``, fails with torch 2.13's
 own ``fully_shard`` before any step (it passes ``dp_mesh_dims`` with plain-tensor parameters: "When dp_mesh_dims is
 provided, all parameters must be DTensors"). ``"full_dtensor"`` (``dp_mesh_dims`` on the full SPMD meshes, and a
 ``ShardPlacementResult`` whose mesh info carries its own SPMD mesh and dims) runs with both, expert parallel 2 on 2
-and 4 ranks: ``test_full_dtensor_expert_parallel`` (torch's numbers equal to its ``partial_dtensor`` run, fsdp_compose
-equal to torch's).
+and 4 ranks, both models: ``test_full_dtensor_expert_parallel`` (torch's numbers equal to its ``partial_dtensor`` run,
+fsdp_compose equal to torch's).
 
 Patches, kept apart and counted:
 - CPU patches, applied to both implementations (torchtitan targets GPUs): (1) the stub for the Triton kernels module
@@ -28,6 +36,8 @@ Patches, kept apart and counted:
   expert parallel ``model.parallelize`` wraps it in a local-map region keyed by them);
   (3) ``"cpu"`` for the device of ``ParallelDims``' meshes (its module bound ``device_type``, ``"cuda"`` without an
   accelerator); (4) torch's only: ``set_force_sum_reduction_for_comms(True)``, since gloo has no PREMUL_SUM.
+  DeepSeek-V3 needs none more: its MLA calls the same FlexAttention module (patch 2 honours the ``scale`` it passes,
+  ``qk_head_dim ** -0.5`` times YaRN's ``mscale ** 2``; SDPA takes value heads narrower than the query/key's).
 - fsdp_compose changes (test_torchtitan.py's two): (1) the import of ``fully_shard`` in ``torchtitan.distributed.fsdp``
   (with ``fsdp2_methods=True``); (2) the ``isinstance(module, FSDPModule)`` guard of
   ``disable_fsdp_gradient_division``. torchtitan's two other ``FSDPModule`` checks are not on this path
@@ -42,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import pytest
@@ -104,7 +114,7 @@ def _parallel_dims(ws: int, ep: int, backend: str) -> Any:
     return _DIMS[key]
 
 
-def _model_config(experts: int, top_k: int) -> Any:
+def _qwen3_config(experts: int, top_k: int) -> Any:
     """torchtitan's ``debugmodel_moe`` (``models/qwen3/__init__.py``), shrunk: 2 layers, dim 64, hidden 32."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.qwen3 import (
@@ -137,6 +147,83 @@ def _model_config(experts: int, top_k: int) -> Any:
     )
 
 
+def _deepseek_v3_config(experts: int, top_k: int) -> Any:
+    """torchtitan's DeepSeek-V3 ``debugmodel`` (``models/deepseek_v3/__init__.py``), shrunk: 2 layers (one dense,
+    one MoE with 2 shared experts), dim 64, MLA with a low-rank query (rank 16, as the 236B/671B flavors) and
+    key-value rank 16, head dims 16 (nope) + 8 (rope) and 16 (value), its YaRN RoPE; no MTP layers (its default)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        DeepSeekV3Model,
+        _build_dsv3_layers,
+        _output_linear_init,
+    )
+
+    rope_dim = 8
+    return DeepSeekV3Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=_build_dsv3_layers(
+            n_layers=N_LAYERS,
+            n_dense_layers=1,
+            dim=DIM,
+            n_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=HEAD_DIM,
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=HEAD_DIM,
+            mscale=0.70,
+            dense_hidden_dim=2 * DIM,
+            moe_hidden_dim=HIDDEN,
+            num_experts=experts,
+            num_shared_experts=2,
+            router_top_k=top_k,
+            router_score_func="softmax",
+            attn_backend="flex",
+            moe_comm_backend="standard",
+            non_blocking_capacity_factor=None,
+            rope=ComplexRoPE.Config(
+                dim=rope_dim,
+                max_seq_len=SEQ,
+                theta=10000.0,
+                scaling="yarn",
+                rope_factor=40.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                original_seq_len=4096,
+            ),
+        ),
+    )
+
+
+class Model(NamedTuple):
+    config: Callable[[int, int], Any]  # (experts, top_k) -> the model's config
+    parallelize: str  # the model spec's parallelize_fn, in torchtitan.models.<kind>
+    moe_layers: int  # of N_LAYERS
+    settings: tuple[str, ...]  # of SETTINGS
+
+
+MODELS = {
+    "qwen3": Model(_qwen3_config, "parallelize_qwen3", N_LAYERS, tuple(SETTINGS)),
+    "deepseek_v3": Model(_deepseek_v3_config, "parallelize_deepseekv3", 1, ("fsdp-2ranks", "ep2-2ranks", "ep2-4ranks")),
+}
+
+
+def _cases(*names: str) -> list[Any]:
+    """(model kind, setting name) for each model's settings, or those of them in ``names``."""
+    return [
+        pytest.param(kind, name, id=f"{kind}-{name}")
+        for kind, model in MODELS.items()
+        for name in model.settings
+        if not names or name in names
+    ]
+
+
 @contextlib.contextmanager
 def _all_to_all_seen() -> Iterator[None]:
     """Observation only: the dispatcher's ``all_to_all_single`` looked up per call, so a recorder sees it."""
@@ -160,10 +247,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The blocks with a MoE (DeepSeek-V3's first ones have a dense feed-forward), as torchtitan's hook finds them."""
+    return [layer for layer in model.layers.values() if getattr(layer, "moe_enabled", False)]
+
+
 def _expert_layout(model: nn.Module) -> list[tuple[Any, ...]]:
-    """Mesh, placements and local shape of each layer's expert weights after sharding."""
+    """Mesh, placements and local shape of each MoE layer's expert weights after sharding."""
     layout = []
-    for layer in model.layers.values():
+    for layer in _moe_layers(model):
         for name, param in layer.moe.routed_experts.inner_experts.named_parameters():
             placements = tuple(str(p) for p in param.placements) if hasattr(param, "placements") else ()
             mesh = param.device_mesh.mesh_dim_names if hasattr(param, "device_mesh") else None
@@ -171,11 +263,15 @@ def _expert_layout(model: nn.Module) -> list[tuple[Any, ...]]:
     return layout
 
 
-def _parallelize(model: nn.Module, variant: str, dims: Any, parallelism: Any, placements: set[str]) -> None:
-    """torchtitan's ``parallelize_qwen3``, with ``variant``'s ``fully_shard`` in ``torchtitan.distributed.fsdp``."""
+def _parallelize(model: nn.Module, kind: str, variant: str, dims: Any, parallelism: Any, placements: set[str]) -> None:
+    """``kind``'s parallelize function (``parallelize_qwen3``, ``parallelize_deepseekv3``), with ``variant``'s
+    ``fully_shard`` in ``torchtitan.distributed.fsdp``."""
+    import importlib
+
     import torchtitan.distributed.fsdp as fsdp_module
     from torchtitan.config import CompileConfig, TrainingConfig
-    from torchtitan.models.qwen3 import parallelize_qwen3
+
+    parallelize = getattr(importlib.import_module(f"torchtitan.models.{kind}"), MODELS[kind].parallelize)
 
     original = (fsdp_module.fully_shard, fsdp_module.disable_fsdp_gradient_division)
     try:
@@ -196,7 +292,7 @@ def _parallelize(model: nn.Module, variant: str, dims: Any, parallelism: Any, pl
             return shard(module, **kwargs)
 
         fsdp_module.fully_shard = recording
-        parallelize_qwen3(
+        parallelize(
             model,
             parallel_dims=dims,
             training=TrainingConfig(mixed_precision_param="float32", seq_len=SEQ),
@@ -213,14 +309,14 @@ def _parallelize(model: nn.Module, variant: str, dims: Any, parallelism: Any, pl
         fsdp_module.fully_shard, fsdp_module.disable_fsdp_gradient_division = original
 
 
-def _train(rank: int, ws: int, variant: str, setting: Setting, backend: str) -> dict[str, Any]:
+def _train(rank: int, ws: int, variant: str, kind: str, setting: Setting, backend: str) -> dict[str, Any]:
     _cpu_patches()
     import torchtitan.distributed.utils as dist_utils
     from torchtitan.components.optimizer import default_adamw, register_moe_load_balancing_hook
     from torchtitan.config import ParallelismConfig
 
     parallelism = ParallelismConfig(expert_parallel_degree=setting.ep, spmd_backend=backend)
-    config = _model_config(setting.experts, setting.top_k)
+    config = MODELS[kind].config(setting.experts, setting.top_k)
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))  # the sharding configs
     dims = _parallel_dims(ws, setting.ep, backend)
     placements: set[str] = set()
@@ -230,7 +326,7 @@ def _train(rank: int, ws: int, variant: str, setting: Setting, backend: str) -> 
         torch.manual_seed(0)
         model = config.build()
         model.init_states()
-        _parallelize(model, variant, dims, parallelism, placements)
+        _parallelize(model, kind, variant, dims, parallelism, placements)
         layout = _expert_layout(model)
         optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
         register_moe_load_balancing_hook(optimizers, [model], dims)  # the model spec's post_optimizer_build_fn
@@ -262,7 +358,7 @@ def _train(rank: int, ws: int, variant: str, setting: Setting, backend: str) -> 
             dist.all_reduce(total)
             losses.append(total.item())
             optimizers.step()  # the load-balancing hook runs first
-            biases.append([_full(layer.moe.expert_bias_E).tolist() for layer in model.layers.values()])
+            biases.append([_full(layer.moe.expert_bias_E).tolist() for layer in _moe_layers(model)])
     finally:
         dist_utils.set_spmd_backend(backend_before)
     return {
@@ -288,29 +384,30 @@ def _check(torch_run: dict[str, Any], fc_run: dict[str, Any]) -> None:
     assert fc_run["experts"] == torch_run["experts"]
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
-def test_qwen3_moe_matches_torch_fully_shard(run_dist, name: str) -> None:
+@pytest.mark.parametrize(("kind", "name"), _cases())
+def test_moe_matches_torch_fully_shard(run_dist, kind: str, name: str) -> None:
     setting = SETTINGS[name]
-    torch_run = run_dist(setting.world_size, _train, "torch", setting, "partial_dtensor")[0]
-    fc_run = run_dist(setting.world_size, _train, "fc", setting, "partial_dtensor")[0]
+    torch_run = run_dist(setting.world_size, _train, "torch", kind, setting, "partial_dtensor")[0]
+    fc_run = run_dist(setting.world_size, _train, "fc", kind, setting, "partial_dtensor")[0]
     _check(torch_run, fc_run)
     if setting.expert_placement:
         assert setting.expert_placement in torch_run["placements"], torch_run["placements"]
     else:
         assert torch_run["placements"] == []
+    assert len(fc_run["bias"][0]) == MODELS[kind].moe_layers
     assert any(bias != 0.0 for biases in fc_run["bias"] for layer in biases for bias in layer)  # the hook ran
     if setting.ep > 1:
-        assert all(counts["all_to_all"] == 3 * N_LAYERS for counts in fc_run["counts"])
+        assert all(counts["all_to_all"] == 3 * MODELS[kind].moe_layers for counts in fc_run["counts"])
 
 
-@pytest.mark.parametrize("name", ["ep2-2ranks", "ep2-4ranks"])
-def test_full_dtensor_expert_parallel(run_dist, name: str) -> None:
+@pytest.mark.parametrize(("kind", "name"), _cases("ep2-2ranks", "ep2-4ranks"))
+def test_full_dtensor_expert_parallel(run_dist, kind: str, name: str) -> None:
     """torchtitan's ``full_dtensor`` backend: ``dp_mesh_dims`` (the full SPMD meshes) and a ``ShardPlacementResult``
     per parameter whose mesh info carries its own SPMD mesh and dims."""
     setting = SETTINGS[name]
-    torch_run = run_dist(setting.world_size, _train, "torch", setting, "full_dtensor")[0]
-    partial = run_dist(setting.world_size, _train, "torch", setting, "partial_dtensor")[0]
+    torch_run = run_dist(setting.world_size, _train, "torch", kind, setting, "full_dtensor")[0]
+    partial = run_dist(setting.world_size, _train, "torch", kind, setting, "partial_dtensor")[0]
     assert torch_run["loss"] == pytest.approx(partial["loss"], rel=1e-5)  # torch's: the same training either way
     assert torch_run["grad_norm"] == pytest.approx(partial["grad_norm"], rel=1e-5)
-    fc_run = run_dist(setting.world_size, _train, "fc", setting, "full_dtensor")[0]
+    fc_run = run_dist(setting.world_size, _train, "fc", kind, setting, "full_dtensor")[0]
     _check(torch_run, fc_run)

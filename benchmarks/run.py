@@ -243,8 +243,13 @@ def measure_memory(name: str, variant: Variant, args: BenchArgs, mesh: DeviceMes
     a later unit's reduce-scatter varies from step to step (torch FSDP2's bf16 peak moves by up to 2.3 MiB at the
     default size). A training run meets its highest step.
     """
+    return peak_of(lambda: build_or_skip(name, variant, args, mesh, warmup=2), args)
+
+
+def peak_of(make: Callable[[], Impl | str], args: BenchArgs) -> dict[str, Any] | str:
+    """:func:`measure_memory` of the implementation ``make()`` builds and warms up (or the reason it cannot)."""
     snapshot = live_storage_keys()
-    impl = build_or_skip(name, variant, args, mesh, warmup=2)
+    impl = make()
     if isinstance(impl, str):
         return impl
     peaks: list[int] = []

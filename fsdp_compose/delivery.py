@@ -84,11 +84,12 @@ class _Delivery:
     """Reduced rows on their way to ``.grad``: the output (host memory under offload), the flags a rank that lacked
     a gradient reads (host), and the event after which the host may read both (None: nothing to wait for)."""
 
-    output: torch.Tensor
+    output: torch.Tensor | None  # None: ``rows`` holds each parameter's gradient (``deliver_in_place``)
     flags: torch.Tensor | None
     ready: torch.Event | None
     synchronising: bool
     flagged: bool
+    rows: dict[int, torch.Tensor] | None = None
 
 
 class GradientDelivery:
@@ -145,6 +146,17 @@ class GradientDelivery:
         if not self.hold and torch._C._current_graph_task_id() == -1:  # no final callback will settle it
             self.settle()
 
+    def deliver_in_place(self, rows: dict[int, torch.Tensor], *, post: float, synchronising: bool) -> None:
+        """One rank's gradients, each as autograd made it (``id(ManagedParam) -> gradient``; a parameter without
+        one is absent), divided by ``post`` and handed out as ``deliver`` would hand out reduced rows."""
+        if post != 1.0:
+            torch._foreach_div_(list(rows.values()), post)
+        delivery = _Delivery(None, None, None, synchronising, False, rows)
+        if self.hold:
+            self.pending.append(delivery)
+        else:
+            self._hand_out(delivery)
+
     def _run_reduced_hook(self, output: torch.Tensor, flagged: bool) -> None:
         """FSDP2's all-reduce hook: ``hook(rows)`` on this rank's reduced, divided gradient rows in the reduce dtype
         (after the HSDP all-reduce), one flat tensor; what it writes in place is what ``.grad`` receives. The
@@ -183,20 +195,25 @@ class GradientDelivery:
 
     def _hand_out(self, delivery: _Delivery) -> None:
         """Every rank's rows become (or are added to) the sharded ``.grad``; hooks and ``on_finished`` run after."""
-        output, layout = delivery.output, self.layout
+        output, layout, in_place = delivery.output, self.layout, delivery.rows
         had_grad = None if delivery.flags is None else delivery.flags.tolist()
-        base = output.storage_offset()
+        if in_place is not None:
+            had_grad = [id(mp) in in_place for mp in layout.trainable]
         adds: list[torch.Tensor] = []
         into: list[torch.Tensor] = []
         delivered = []
         for index, mp in enumerate(layout.trainable):
             if had_grad is not None and not had_grad[index]:
                 continue
-            if id(mp) in layout.scalar:
-                rows = output.as_strided((), (), base + layout.scalar_column(mp, delivery.flagged))
+            if in_place is not None:
+                rows = in_place[id(mp)]
+            elif output is None:
+                raise internal_error(f"unit {self.spec.owner_name}", "reduced rows are missing")
+            elif id(mp) in layout.scalar:
+                rows = output.as_strided((), (), output.storage_offset() + layout.scalar_column(mp, delivery.flagged))
             else:
                 size, stride, offset = layout.rows_at[id(mp)]
-                rows = output.as_strided(size, stride, base + offset)
+                rows = output.as_strided(size, stride, output.storage_offset() + offset)
             if rows.dtype != mp.sharded.dtype:  # a unit with several trainable dtypes reduces in one of them
                 rows = rows.to(mp.sharded.dtype)
             current = mp.sharded.grad

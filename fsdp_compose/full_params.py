@@ -54,6 +54,8 @@ class FullParams:
         self.policy_param_dtype = policy_param_dtype  # None: the parameters' own dtype
         # Per (dtype group, compute dtype), its sharded slots' full parameters (kept, storage freed when sharded)
         self._fulls: dict[tuple[int, torch.dtype], FullBuffer] = {}
+        # A shard group of one rank: id(ManagedParam) -> (full parameter, its .data, the shard it aliases)
+        self._aliases: dict[int, tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = {}
 
     def compute_dtype_for(self, own: torch.dtype, dtype: torch.dtype) -> torch.dtype:
         """The compute dtype of a parameter of dtype ``own`` when the unit is gathered in ``dtype``.
@@ -67,11 +69,45 @@ class FullParams:
         return own
 
     # ------------------------------------------------------------------ filling them
+    def alias_shards(self, dtype: torch.dtype) -> bool:
+        """A shard group of one rank, computing in the shards' own dtype: every sharded parameter's full parameter
+        is a view of its shard, which holds the whole parameter (no copy in, none out, nothing to free: the plain
+        model's parameters, as kept-whole ones are). True when that applies (then nothing else is to be filled)."""
+        shards = self.shards
+        if self.world_size != 1 or not shards.uniform or dtype != shards.dtype or self.devices.offloaded:
+            return False
+        for mp in shards.params:
+            if mp.slot is None:
+                continue
+            local = mp.sharded._local_tensor
+            alias = self._aliases.get(id(mp))
+            if alias is None or alias[2] is not local:
+                full, data = make_full_param(local, mp.placing, mp.trainable)
+                alias = self._aliases[id(mp)] = (full, data, local)
+            if mp.full is not None and mp.full is not alias[0]:
+                self._keep(mp, mp.full)
+            mp.full, mp.full_data = alias[0], alias[1]
+        return True
+
+    def _keep(self, mp: ManagedParam, current: nn.Parameter) -> None:
+        """``current`` stays with its dtype's buffer while another dtype is gathered (autograd may hold it)."""
+        held = self._fulls.get((mp.group or 0, current.dtype))
+        if held is not None and not self._is_alias(mp, current):
+            held.params[id(mp)] = (current, mp.full_data)
+
+    def _is_alias(self, mp: ManagedParam, full: torch.Tensor) -> bool:
+        alias = self._aliases.get(id(mp))
+        return alias is not None and alias[0] is full
+
     def copy_out(self, segments: torch.Tensor, dtype: torch.dtype) -> None:
-        """One dtype group: the gathered ``(world_size, segment)`` rows into its full parameters."""
+        """One dtype group: the gathered ``(world_size, segment)`` rows into its full parameters (cast to ``dtype``
+        on the way: one rank's shards are copied out in their own dtype)."""
         full = self._buffer(dtype)
         if full.splits and self.shards.layout.segment_numel > 0:
-            torch.split_with_sizes_copy(segments, full.splits, dim=1, out=full.outs)
+            if segments.dtype == dtype:
+                torch.split_with_sizes_copy(segments, full.splits, dim=1, out=full.outs)
+            else:
+                torch._foreach_copy_(full.outs, list(segments.split(full.splits, dim=1)))
         for index in full.relaid:
             copy_param_from_segments(full.param_view(index), segments, self.shards.layout.slots[index])
 
@@ -134,8 +170,10 @@ class FullParams:
             if mp.group != group or mp.slot is None:
                 continue
             current = None if fresh else mp.full
-            if current is not None and current.dtype != dtype:  # keep it with its buffer (autograd may hold it)
-                self._fulls[(group, current.dtype)].params[id(mp)] = (current, mp.full_data)
+            if current is not None and self._is_alias(mp, current):
+                current = None  # a view of the shard (``alias_shards``): kept there, not in a buffer
+            elif current is not None and current.dtype != dtype:  # keep it with its buffer (autograd may hold it)
+                self._keep(mp, current)
                 current = None
             cached = full.params.get(id(mp))
             if current is None and cached is not None and mp.full is not None:
@@ -210,6 +248,7 @@ class FullParams:
             if mp.subclass is not None:
                 mp.subclass.free()
         self._fulls.clear()
+        self._aliases.clear()
 
     def early_freeable_bytes(self, trainable: list[ManagedParam]) -> int:
         """The storage bytes of ``trainable``'s full parameters that ``free_early`` could free."""

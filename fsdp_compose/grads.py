@@ -112,11 +112,12 @@ class _InFlight:
     """One reduction on its way: the running collective, its output, and the reduce-scatter input while it runs."""
 
     work: Work | None
-    output: torch.Tensor
+    output: torch.Tensor | None  # None: one rank's gradients, handed out as they are (``rows``)
     buffer: torch.Tensor | None  # the reduce-scatter input, kept alive until it completes (None: copied at issue)
     missing_locally: bool
     flagged: bool  # the rows carry "had a gradient" counts after the segment
     synchronising: bool  # the gradients are final after this reduction (user hooks fire)
+    rows: dict[int, torch.Tensor] | None = None  # id(ManagedParam) -> its gradient (``UnitGradients.stage``)
 
 
 class ReduceScatterInput:
@@ -316,6 +317,9 @@ class UnitGradients:
         self.dropping = False
         # Reduced rows to sharded .grad, FSDP2's all-reduce hook, gradients held between backwards (delivery.py).
         self.input = ReduceScatterInput(spec, params)  # the reduce-scatter input and its layout (below)
+        # A shard group of one rank with nothing to reduce: this backward's gradients as autograd made them, staged
+        # for delivery without a buffer (``_stage_in_place``).
+        self.in_place: dict[int, torch.Tensor] | None = None
         self.delivery = GradientDelivery(spec, self.input.rows)
         self.refresh(params)
 
@@ -432,7 +436,7 @@ class UnitGradients:
             self.finish()  # a second use of the unit in one backward: its first reduction completes first
         if self.state is GradState.IDLE:
             pre, _ = self.divisors()
-            if self.input.stage_all(pre, flagged=self.next_layout()):
+            if self._stage_in_place(pre) or self.input.stage_all(pre, flagged=self.next_layout()):
                 self._to(GradState.STAGED)
                 return
         self._flush()
@@ -440,6 +444,35 @@ class UnitGradients:
         self.input.complete()
         if self.state is not GradState.STAGED:
             self._to(GradState.STAGED)
+
+    def _stage_in_place(self, pre: float) -> bool:
+        """One rank, nothing held, no extension reading a flat buffer: each gradient stays where autograd made it
+        and becomes the sharded ``.grad`` as it is (the plain model's gradient: no buffer, no copy; only a cast to
+        the reduce dtype and a divide factor's division where those are asked for). False when that does not apply.
+        """
+        spec = self.spec
+        if (
+            spec.dp.shard_size != 1
+            or spec.dp.reduce_replicas is not None
+            or spec.extensions.reduce_scatter is not None
+            or self.delivery.reduced_hook is not None
+            or spec.devices.offloaded
+            or self.zero_unused
+            or self.input.buffer is not None
+            or self.replica_partial is not None
+        ):
+            return False
+        rows: dict[int, torch.Tensor] = {}
+        for mp in self.trainable:
+            grad = local_grad(mp)
+            if grad is None or mp.full is None:
+                continue  # no gradient on the one rank: .grad stays as it is, as in single-process training
+            if grad.dtype != spec.reduce_dtype:
+                grad = grad.to(spec.reduce_dtype)
+            rows[id(mp)] = grad if pre == 1.0 else grad / pre
+            mp.full.grad = None
+        self.in_place = rows
+        return True
 
     # ------------------------------------------------------------------ the reduction
     def reduce(self, *, all_reduce_replicas: bool, synchronising: bool) -> None:
@@ -452,6 +485,11 @@ class UnitGradients:
         """
         if self.state is not GradState.STAGED:
             return
+        if self.in_place is not None:
+            rows, self.in_place = self.in_place, None
+            self.flight = _InFlight(None, None, None, False, False, synchronising, rows)
+            self._to(GradState.REDUCE_SCATTERING)
+            return
         flagged = self.input.flagged
         # Reading the flags costs a device sync, so only a rank that lacked a gradient itself reads them.
         missing_locally = len(self.input.locally_seen) < len(self.trainable)
@@ -461,18 +499,18 @@ class UnitGradients:
         self.input.buffer = None
         self.input.locally_seen = set()
         spec = self.spec
-        output = torch.empty(
-            self.input.layout.segment_numel + self.input.rows.tail(flagged), dtype=spec.reduce_dtype, device=spec.device
-        )
         hook = spec.extensions.reduce_scatter
         work: Work | None = None
-        with labelled(f"fsdp_compose::reduce_scatter[{self.spec.owner_name}]"):
-            if hook is not None:
-                hook(output, buffer.view(-1), spec.reduce_group)
-            elif spec.dp.shard_size == 1:
-                output.copy_(buffer.view(-1))
-            else:
-                work = reduce_scatter_flat(output, buffer.view(-1), spec.reduce_group, async_op=True)
+        if hook is None and spec.dp.shard_size == 1:
+            output = buffer.view(-1)  # one rank's rows are the whole input: nothing to scatter, nothing to copy
+        else:
+            numel = self.input.layout.segment_numel + self.input.rows.tail(flagged)
+            output = torch.empty(numel, dtype=spec.reduce_dtype, device=spec.device)
+            with labelled(f"fsdp_compose::reduce_scatter[{self.spec.owner_name}]"):
+                if hook is not None:
+                    hook(output, buffer.view(-1), spec.reduce_group)
+                else:
+                    work = reduce_scatter_flat(output, buffer.view(-1), spec.reduce_group, async_op=True)
         # Kept alive until the wait unless the collective copied it already (gloo): then it is freed now.
         kept = buffer if work is not None and not spec.input_copied_at_issue else None
         del buffer
@@ -514,6 +552,8 @@ class UnitGradients:
         if replicas is None:
             self.finish()
             return
+        if flight.output is None:
+            raise internal_error(f"unit {self.spec.owner_name}", "an in-place gradient has replicas to reduce")
         if self.replica_partial is not None:
             flight.output.add_(self.replica_partial)
             self.replica_partial = None
@@ -545,13 +585,16 @@ class UnitGradients:
             return
         _, post = self.divisors()
         with labelled(f"fsdp_compose::deliver_gradients[{self.spec.owner_name}]"):
-            self.delivery.deliver(
-                flight.output,
-                post=post,
-                missing_locally=flight.missing_locally,
-                flagged=flight.flagged,
-                synchronising=flight.synchronising,
-            )
+            if flight.rows is not None:
+                self.delivery.deliver_in_place(flight.rows, post=post, synchronising=flight.synchronising)
+            elif flight.output is not None:
+                self.delivery.deliver(
+                    flight.output,
+                    post=post,
+                    missing_locally=flight.missing_locally,
+                    flagged=flight.flagged,
+                    synchronising=flight.synchronising,
+                )
 
     # ------------------------------------------------------------------ gradients held between steps
     def drop_if_user_zeroed(self) -> bool:
@@ -578,6 +621,7 @@ class UnitGradients:
             if flight.work is not None:
                 flight.work.wait()
         self.flight = None
+        self.in_place = None
         self.input.buffer = None
         self.replica_partial = None
         self.input.written = set()

@@ -354,7 +354,9 @@ class UnitParams:
                     work = all_gather_flat(gathered, shard, self.group, async_op=async_op)
                     pending = _PendingGather(work, gathered, shard, encoded=False)
                 else:
-                    shard = self.devices.to_compute(flat, dtype)
+                    # one rank: the copy-out casts (or, in the shards' dtype, the full parameters are the shards)
+                    one_rank = not gathers and transform is None and not self.devices.offloaded
+                    shard = flat if one_rank else self.devices.to_compute(flat, dtype)
                     if transform is not None and gathers:
                         shard = transform.encode(shard)
                         gathered = torch.empty(self.world_size * shard.numel(), dtype=shard.dtype, device=self.device)
@@ -449,6 +451,8 @@ class UnitParams:
         with labelled(f"fsdp_compose::all_gather_copy_out[{self.owner_name}]"):
             if pending.plan is not None:
                 self.fulls.copy_out_plan(pending.plan, dtype)
+            elif not pending.collective and not pending.encoded and self.fulls.alias_shards(dtype):
+                pass  # one rank, no cast: the full parameters are the shards themselves
             else:
                 # the flat all-gather's output as ``(world_size, segment)`` rows (decoded by an extension)
                 segment_numel = self.shards.layout.segment_numel

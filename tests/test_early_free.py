@@ -53,11 +53,15 @@ def _freed_during_backward(rank: int, ws: int, point: str) -> dict[str, Any]:
 @pytest.mark.parametrize("point", ["before", "midway"])
 def test_full_parameters_are_freed_as_their_gradients_are_made(run_dist, ws: int, point: str) -> None:
     """Inside a block's backward, its MLP weight (gradient made) is freed while its attention weight (gradient not
-    made yet) is alive, whatever the prefetch point; training matches the single-process reference."""
+    made yet) is alive, whatever the prefetch point; training matches the single-process reference. On one rank the
+    full parameters are the shards themselves (one storage, the unit's flat shard): nothing to free."""
     for result in run_dist(ws, _freed_during_backward, point):
         assert result["diff"] <= 1e-5
         assert len(result["seen"]) == 2 * 3  # two steps, three blocks
-        assert all(mlp == 0 and qkv > 0 for mlp, qkv, _ in result["seen"]), result["seen"]
+        if ws == 1:
+            assert all(mlp == qkv > 0 for mlp, qkv, _ in result["seen"]), result["seen"]
+        else:
+            assert all(mlp == 0 and qkv > 0 for mlp, qkv, _ in result["seen"]), result["seen"]
 
 
 class _ScaleByWeightNorm(torch.autograd.Function):

@@ -71,11 +71,13 @@ class _Injected(RuntimeError):
 
 
 @contextlib.contextmanager
-def _failing(where: str, armed: Callable[[], bool]) -> Iterator[None]:
+def _failing(where: str, armed: Callable[[], bool], ws: int) -> Iterator[None]:
     """The step at ``where`` raises while ``armed()`` (the pool's process is reused: restored after): the copy-in
-    (``UnitDevices.to_compute``, before the collective), or ``FullParams``' copy-out, registration or free."""
+    (``UnitDevices.to_compute``, before the collective), or ``FullParams``' copy-out (on one rank: making the full
+    parameters views of the shards), registration or free."""
     owner: Any = UnitDevices if where == "copy_in" else FullParams
-    name = {"copy_in": "to_compute", "copy_out": "copy_out", "register": "register", "reshard": "free"}[where]
+    copy_out = "alias_shards" if ws == 1 else "copy_out"
+    name = {"copy_in": "to_compute", "copy_out": copy_out, "register": "register", "reshard": "free"}[where]
     original = getattr(owner, name)
 
     def sabotaged(self: Any, *args: Any) -> Any:
@@ -106,7 +108,7 @@ def _failure_in_a_gather(rank: int, ws: int, where: str, reset: bool) -> dict[st
 
     _current: list[Any] = [None]
     raised, sharded = [], []
-    with _failing(where, fires), _tracking(_current):
+    with _failing(where, fires, ws), _tracking(_current):
         for step in range(4):
             inputs, targets = synthetic_batch(_CFG, 4, step)
             if step != 1:
@@ -127,7 +129,8 @@ def _failure_in_a_gather(rank: int, ws: int, where: str, reset: bool) -> dict[st
 @contextlib.contextmanager
 def _tracking(current: list[Any]) -> Iterator[None]:
     """Keep the ``FullParams`` whose method runs now in ``current[0]`` (what ``_failing`` fires on)."""
-    targets = [(FullParams, "copy_out"), (FullParams, "register"), (FullParams, "free"), (UnitDevices, "to_compute")]
+    targets = [(FullParams, "copy_out"), (FullParams, "alias_shards"), (FullParams, "register"), (FullParams, "free")]
+    targets.append((UnitDevices, "to_compute"))
     originals = {(owner, name): getattr(owner, name) for owner, name in targets}
 
     def tracked(owner: Any, name: str) -> Callable[..., Any]:
@@ -146,8 +149,16 @@ def _tracking(current: list[Any]) -> Iterator[None]:
             setattr(owner, name, original)
 
 
-@pytest.mark.parametrize("ws", [1, 2])
-@pytest.mark.parametrize("where", ["copy_in", "copy_out", "register", "reshard"])
+# one rank has no copy-in: its full parameters are its shards (``FullParams.alias_shards``, the "copy-out" there)
+_GATHER_FAILURES = [
+    (ws, where)
+    for ws in (1, 2)
+    for where in ("copy_in", "copy_out", "register", "reshard")
+    if (ws, where) != (1, "copy_in")
+]
+
+
+@pytest.mark.parametrize(("ws", "where"), _GATHER_FAILURES)
 @pytest.mark.parametrize("reset", [False, True])
 def test_a_failure_inside_a_gather_leaves_the_unit_sharded_and_usable(
     run_dist, ws: int, where: str, reset: bool

@@ -109,3 +109,12 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".", "numpy")
     args = session.posargs or ["--nproc", "2", "--configs", *BENCH_CONFIGS]
     session.run("python", "benchmarks/run.py", *args)
+
+
+@nox.session
+def limit(session: nox.Session) -> None:
+    """``nox -s limit``: ``benchmarks/limit.py`` (every setting, fp32 and bf16, d=256 and d=1024); arguments after
+    ``--`` replace its defaults, e.g. ``nox -s limit -- --settings one_rank --dims 256``."""
+    session.install(TORCH)
+    session.install("-e", ".", "numpy")
+    session.run("python", "benchmarks/limit.py", *session.posargs)

@@ -36,6 +36,7 @@ if str(REPO) not in sys.path:
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -164,7 +165,7 @@ def run_case(case: Case, args: BenchArgs, mesh: DeviceMesh) -> dict[str, Any]:
     losses = {name: impl.last_loss for name, impl in impls.items()}
     del impls
     own = _copied(_warm(lambda: _plain(args, case.dtype == "bf16"), args, 1), args)  # the model's own copies
-    peaks = {name: peak_of(lambda make=make: _warm(make, args, 2), args) for name, make in builders.items()}
+    peaks = {name: peak_of(functools.partial(_warm, make, args, 2), args) for name, make in builders.items()}
     params = sum(p.numel() * 4 for p in GPT(args.gpt_config()).parameters())
     return {
         "case": case.__dict__,
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(ns.json).write_text(json.dumps(results, indent=1))
     if ns.write:
         target = Path(ns.write) if Path(ns.write).is_absolute() else REPO / ns.write
-        write_section(target, table, "limit")
+        write_section(target, table + "\n", "limit")
         print(f"wrote {target}")
 
 

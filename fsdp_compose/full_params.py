@@ -170,7 +170,7 @@ class FullParams:
             if mp.group != group or mp.slot is None:
                 continue
             current = None if fresh else mp.full
-            if current is not None and self._is_alias(mp, current):
+            if current is not None and self._aliases and self._is_alias(mp, current):
                 current = None  # a view of the shard (``alias_shards``): kept there, not in a buffer
             elif current is not None and current.dtype != dtype:  # keep it with its buffer (autograd may hold it)
                 self._keep(mp, current)

@@ -312,28 +312,21 @@ class Llama(nn.Module):
 
 
 def llama_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style: q/k/v and gate/up column-wise, o and down row-wise (embeddings and head replicated)."""
+    """Megatron-style: q/k/v and gate/up column-wise, o and down row-wise (embeddings and head replicated; a mixture
+    of experts' router and experts too)."""
     assert isinstance(model, Llama)
     colwise = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
     for layer in model.model.layers:
         assert isinstance(layer, LlamaDecoderLayer)
         parallelize_module(layer.self_attn, tp_mesh, {**colwise, "o_proj": RowwiseParallel()})
-        mlp_plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
-        parallelize_module(layer.mlp, tp_mesh, mlp_plan)
+        if isinstance(layer.mlp, LlamaMLP):
+            mlp_plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+            parallelize_module(layer.mlp, tp_mesh, mlp_plan)
 
 
 def llama_spec(cfg: LlamaConfig) -> ModelSpec:
     model = Llama(cfg)
     return ModelSpec(model, list(model.model.layers), _token_batch(cfg.vocab_size), cross_entropy, llama_tp_plan)
-
-
-def moe_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Attention as in :func:`llama_tp_plan`; routers and experts replicated over the ``tp`` ranks."""
-    assert isinstance(model, Llama)
-    colwise = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
-    for layer in model.model.layers:
-        assert isinstance(layer, LlamaDecoderLayer)
-        parallelize_module(layer.self_attn, tp_mesh, {**colwise, "o_proj": RowwiseParallel()})
 
 
 def moe_ep_plan(model: nn.Module, ep_mesh: DeviceMesh) -> list[str]:
@@ -357,7 +350,7 @@ def moe_ep_plan(model: nn.Module, ep_mesh: DeviceMesh) -> list[str]:
 def moe_spec(cfg: MoEConfig) -> ModelSpec:
     model = Llama(cfg)
     units = list(model.model.layers)
-    return ModelSpec(model, units, _token_batch(cfg.vocab_size), cross_entropy, moe_tp_plan, moe_ep_plan)
+    return ModelSpec(model, units, _token_batch(cfg.vocab_size), cross_entropy, llama_tp_plan, moe_ep_plan)
 
 
 # ---------------------------------------------------------------------- registry

@@ -80,19 +80,19 @@ class FullParams:
             if mp.slot is None:
                 continue
             local = mp.sharded._local_tensor
-            alias = self._aliases.get(id(mp))
+            alias = held = self._aliases.get(id(mp))
             if alias is None or alias[2] is not local:
                 full, data = make_full_param(local, mp.placing, mp.trainable)
                 alias = self._aliases[id(mp)] = (full, data, local)
-            if mp.full is not None and mp.full is not alias[0]:
-                self._keep(mp, mp.full)
+            if mp.full is not None and (held is None or mp.full is not held[0]):
+                self._keep(mp, mp.full)  # a full parameter of another dtype's buffer (an alias is never kept)
             mp.full, mp.full_data = alias[0], alias[1]
         return True
 
     def _keep(self, mp: ManagedParam, current: nn.Parameter) -> None:
         """``current`` stays with its dtype's buffer while another dtype is gathered (autograd may hold it)."""
         held = self._fulls.get((mp.group or 0, current.dtype))
-        if held is not None and not self._is_alias(mp, current):
+        if held is not None:
             held.params[id(mp)] = (current, mp.full_data)
 
     def _is_alias(self, mp: ManagedParam, full: torch.Tensor) -> bool:

@@ -610,21 +610,17 @@ def _per_mesh(
     its dims, the parameters on it (global count), their sharded bytes, gradients and optimizer state, and the
     all-gather and reduce-scatter bytes over its shard group (an HSDP all-reduce goes over the replicate group, which
     both meshes share: see the collectives by group)."""
-    dims = config.mesh_dims()
-    on_mesh: dict[str, list[torch.Tensor]] = {"dense": [], "experts": []}
+    mesh_dims = {"dense": config.mesh_dims()}
+    if config.ep > 1:
+        replicate = {"replicate": config.replicate} if config.replicate > 1 else {}
+        mesh_dims["experts"] = {**replicate, "efsdp": config.expert_shard, "ep": config.ep}
+    on_mesh: dict[str, list[torch.Tensor]] = {mesh_name: [] for mesh_name in mesh_dims}
     for name, param in setup.spec.model.named_parameters():
         on_mesh["experts" if name in setup.expert_names else "dense"].append(param)
     shard_dims = {"dense": "shard", "experts": "efsdp"}
-    if config.ep > 1:
-        replicate = {"replicate": config.replicate} if config.replicate > 1 else {}
-        mesh_dims = {"dense": dims, "experts": {**replicate, "efsdp": config.expert_shard, "ep": config.ep}}
-    else:
-        mesh_dims = {"dense": dims}
+    state = setup.optimizer.state if setup.optimizer is not None else {}
     result = {}
     for mesh_name, params in on_mesh.items():
-        if mesh_name not in mesh_dims:
-            continue
-        state = setup.optimizer.state if setup.optimizer is not None else {}
         optimizer = [v for p in params for v in state.get(p, {}).values() if isinstance(v, torch.Tensor)]
         shard_dim = shard_dims[mesh_name]
         result[mesh_name] = {
@@ -740,6 +736,7 @@ def _measure_one(
         step.run()
     counter.close()
     misses = _sharding_cache_misses() - misses
+    summary = recorder.summary()
     schedule = schedule_record(model, setup.units)
     breakdown: dict[str, dict[str, int]] = {}
     gathered: dict[str, dict[str, int]] = {}
@@ -761,13 +758,13 @@ def _measure_one(
         peak_ops={phase: counter.phase_peak_op.get(phase, "") for phase in PHASES},
         breakdown=breakdown,
         gathered_at_peak=gathered,
-        collectives=recorder.summary(),
+        collectives=summary,
         backend_temporaries_bytes=counter.ignored_peak_bytes,
         ops=counter.ops,
         sharding_propagations=misses,
         schedule=schedule,
         collective_sequence=[(r.kind, r.group, r.nbytes) for r in recorder.records],
-        meshes=_per_mesh(config, setup, step, recorder.summary()),
+        meshes=_per_mesh(config, setup, step, summary),
         unit_params=setup.unit_params,
         optimizer_shapes=setup.optimizer_shapes,
     )

@@ -318,8 +318,10 @@ class UnitGradients:
         # Reduced rows to sharded .grad, FSDP2's all-reduce hook, gradients held between backwards (delivery.py).
         self.input = ReduceScatterInput(spec, params)  # the reduce-scatter input and its layout (below)
         # A shard group of one rank with nothing to reduce: this backward's gradients as autograd made them, staged
-        # for delivery without a buffer (``_stage_in_place``).
+        # for delivery without a buffer (``_stage_in_place``), and those of the no-sync micro-batches before it,
+        # summed where the first one was made (``_hold_in_place``).
         self.in_place: dict[int, torch.Tensor] | None = None
+        self.held_in_place: dict[int, torch.Tensor] = {}
         self.delivery = GradientDelivery(spec, self.input.rows)
         self.refresh(params)
 
@@ -382,7 +384,8 @@ class UnitGradients:
     def held_tensors(self) -> list[torch.Tensor]:
         """What the unit holds between steps besides ``.grad``: an accumulation window's buffer, HSDP's partial sums
         (``fc.move_to_host`` moves them)."""
-        return [t for t in (self.input.buffer, self.replica_partial) if t is not None]
+        held = [t for t in (self.input.buffer, self.replica_partial) if t is not None]
+        return held + list(self.held_in_place.values())
 
     def capture(self, mp: ManagedParam) -> None:
         """Post-accumulate-grad hook of a full parameter: while accumulating, move its gradient into the buffer.
@@ -411,8 +414,40 @@ class UnitGradients:
             self._to(GradState.ACCUMULATING)
 
     def _write_one(self, mp: ManagedParam, grad: torch.Tensor, pre: float) -> None:
+        if self._works_in_place():
+            self._hold_in_place(mp, grad, pre)
+            if self.state is GradState.IDLE:
+                self._to(GradState.ACCUMULATING)
+            return
+        self._spill_held()
         self._buffer_for_writing()
         self.input.write_one(mp, grad, pre)
+
+    def _hold_in_place(self, mp: ManagedParam, grad: torch.Tensor, pre: float) -> None:
+        """One rank, a no-sync micro-batch: the first gradient of the window stays where autograd made it (cast to
+        the reduce dtype and divided where asked), later ones are added to it, as the plain model accumulates."""
+        held = self.held_in_place.get(id(mp))
+        if held is None:
+            cast = grad.to(self.spec.reduce_dtype)
+            if pre != 1.0:
+                cast = cast.div_(pre) if cast is not grad else grad / pre
+            self.held_in_place[id(mp)] = cast
+        else:
+            held.add_(grad, alpha=1.0 / pre)
+        mp.full.grad = None  # type: ignore[union-attr]
+
+    def _spill_held(self) -> None:
+        """Gradients held in place move into the buffer (an extension or hook reading a flat buffer was set since)."""
+        if not self.held_in_place:
+            return
+        held, self.held_in_place = self.held_in_place, {}
+        if self.state is GradState.ACCUMULATING:
+            self._to(GradState.IDLE)  # the buffer's window starts here
+        for mp in self.trainable:
+            grad = held.get(id(mp))
+            if grad is not None:
+                self._buffer_for_writing()
+                self.input.write_one(mp, grad, 1.0)  # divided already
 
     def _flush(self) -> None:
         """Move gradients the hook did not see into the buffer (all of them in a plain synced step)."""
@@ -434,45 +469,48 @@ class UnitGradients:
             return
         if self.state in (GradState.REDUCE_SCATTERING, GradState.ALL_REDUCING):
             self.finish()  # a second use of the unit in one backward: its first reduction completes first
+        if self.state in (GradState.IDLE, GradState.ACCUMULATING) and self._works_in_place():
+            pre, _ = self.divisors()
+            self._stage_in_place(pre)
+            self._to(GradState.STAGED)
+            return
         if self.state is GradState.IDLE:
             pre, _ = self.divisors()
-            if self._stage_in_place(pre) or self.input.stage_all(pre, flagged=self.next_layout()):
+            if self.input.stage_all(pre, flagged=self.next_layout()):
                 self._to(GradState.STAGED)
                 return
+        self._spill_held()
         self._flush()
         self._buffer_for_writing()
         self.input.complete()
         if self.state is not GradState.STAGED:
             self._to(GradState.STAGED)
 
-    def _stage_in_place(self, pre: float) -> bool:
-        """One rank, nothing held, no extension reading a flat buffer: each gradient stays where autograd made it
-        and becomes the sharded ``.grad`` as it is (the plain model's gradient: no buffer, no copy; only a cast to
-        the reduce dtype and a divide factor's division where those are asked for). False when that does not apply.
-        """
+    def _works_in_place(self) -> bool:
+        """One rank with nothing to reduce, nothing in a buffer, no extension or hook reading a flat buffer and no
+        offload: the gradients need no buffer (``_stage_in_place``, ``_hold_in_place``)."""
         spec = self.spec
-        if (
-            spec.dp.shard_size != 1
-            or spec.dp.reduce_replicas is not None
-            or spec.extensions.reduce_scatter is not None
-            or self.delivery.reduced_hook is not None
-            or spec.devices.offloaded
-            or self.zero_unused
-            or self.input.buffer is not None
-            or self.replica_partial is not None
-        ):
-            return False
-        rows: dict[int, torch.Tensor] = {}
+        return (
+            spec.dp.shard_size == 1
+            and spec.dp.reduce_replicas is None
+            and spec.extensions.reduce_scatter is None
+            and self.delivery.reduced_hook is None
+            and not spec.devices.offloaded
+            and not self.zero_unused
+            and self.input.buffer is None
+            and self.replica_partial is None
+        )
+
+    def _stage_in_place(self, pre: float) -> None:
+        """Each gradient stays where autograd made it and becomes the sharded ``.grad`` as it is (the plain model's
+        gradient: no buffer, no copy; only a cast to the reduce dtype and a divide factor's division where those are
+        asked for), added to what the window's no-sync micro-batches held. A parameter without a gradient on the one
+        rank keeps ``.grad`` as it is, as in single-process training."""
         for mp in self.trainable:
             grad = local_grad(mp)
-            if grad is None or mp.full is None:
-                continue  # no gradient on the one rank: .grad stays as it is, as in single-process training
-            if grad.dtype != spec.reduce_dtype:
-                grad = grad.to(spec.reduce_dtype)
-            rows[id(mp)] = grad if pre == 1.0 else grad / pre
-            mp.full.grad = None
-        self.in_place = rows
-        return True
+            if grad is not None and mp.full is not None:
+                self._hold_in_place(mp, grad, pre)
+        self.in_place, self.held_in_place = self.held_in_place, {}
 
     # ------------------------------------------------------------------ the reduction
     def reduce(self, *, all_reduce_replicas: bool, synchronising: bool) -> None:
@@ -622,6 +660,7 @@ class UnitGradients:
                 flight.work.wait()
         self.flight = None
         self.in_place = None
+        self.held_in_place = {}
         self.input.buffer = None
         self.replica_partial = None
         self.input.written = set()

@@ -97,3 +97,54 @@ def test_a_replicate_only_mesh_copies_the_gradients_once(run_dist) -> None:
             # read at the end of backward)
             added = mine - plain
             assert result["params"] <= added <= result["params"] + 1024, (result["copied"], result["plain"])
+
+
+def _accumulated_window(model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any], sharded: bool) -> int:
+    """No-sync micro-batches, then a synced one, then the optimizer step: the bytes copied."""
+    counter = CopiedBytes()
+    with fc.CollectiveRecorder(scope=counter.inside_collective), counter:
+        for index, (inputs, targets) in enumerate(batches):
+            if sharded:
+                fc.set_requires_gradient_sync(model, index == len(batches) - 1)
+            loss_fn(model(inputs), targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return counter.bytes
+
+
+def _accumulating_in_place(rank: int, ws: int, bf16: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    reference = GPT(CFG)
+    model, plain = copy.deepcopy(reference), copy.deepcopy(reference)
+    policy = fc.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    shard_gpt(model, mesh_1d(1), **({"mp_policy": policy} if policy else {}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    copied, plain_copied = [], []
+    for step in range(3):
+        batches = [synthetic_batch(CFG, 2, 10 * step + micro) for micro in range(4)]
+        for inputs, targets in batches:
+            loss_fn(reference(inputs), targets).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        copied.append(_accumulated_window(model, opt, batches, sharded=True))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            plain_copied.append(_accumulated_window(plain, plain_opt, batches, sharded=False))
+    params = sum(p.numel() * p.element_size() for p in reference.parameters())
+    return {"diff": max_param_diff(model, reference), "copied": copied, "plain": plain_copied, "params": params}
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_one_rank_accumulates_where_autograd_made_the_gradients(run_dist, bf16: bool) -> None:
+    """One rank, three no-sync micro-batches and a synced one per step: each gradient is summed where autograd made
+    the first (no accumulation buffer), so fp32 copies exactly what the plain model accumulating the same
+    micro-batches copies; bf16 adds, per micro-batch, the parameters' casts (as a step does) and each gradient's
+    cast to the fp32 reduce dtype where the plain model's autocast keeps fp32 gradients. Trained like the reference."""
+    (result,) = run_dist(1, _accumulating_in_place, bf16)
+    assert result["diff"] <= (3e-2 if bf16 else 1e-5), result["diff"]
+    if bf16:
+        for mine, plain in zip(result["copied"][1:], result["plain"][1:], strict=True):
+            assert mine - plain <= 4 * result["params"], (result["copied"], result["plain"], result["params"])
+    else:
+        assert result["copied"][1:] == result["plain"][1:], (result["copied"], result["plain"])

@@ -159,8 +159,8 @@ class BackwardWalk:
         (``make_room`` first for a new one); free it where ``_frees_early`` allows; midway prefetch once half the
         unit is freed."""
         grads = state.grads
-        if grads.accumulating or grads.input.buffer is not None:
-            if grads.input.buffer is None:
+        if grads.takes_each_gradient():
+            if grads.needs_buffer():
                 self.make_room()
             grads.capture(mp)
         params = state.params

@@ -394,7 +394,7 @@ class UnitGradients:
         (or added) into the unit's buffer in the reduce-scatter layout as soon as autograd produced it, and freed, so
         the unit never holds all its full gradients next to the accumulation buffer.
         """
-        if self.input.buffer is None and not self.accumulating:
+        if not self.takes_each_gradient():
             # A plain synced step: allocating the buffer at the first gradient would keep it alive for the rest of
             # the unit's backward (for the root, whose head gradient comes first, all of backward); stage() moves
             # the gradients at post-backward instead.
@@ -406,6 +406,15 @@ class UnitGradients:
             return
         pre, _ = self.divisors()
         self._write_one(mp, grad, pre)
+
+    def takes_each_gradient(self) -> bool:
+        """Is each gradient moved as autograd makes it (``capture``)? While accumulating, where a buffer exists, and
+        onto the sums a window holds in place (a synced micro-batch then never holds a second full gradient)."""
+        return self.accumulating or self.input.buffer is not None or bool(self.held_in_place)
+
+    def needs_buffer(self) -> bool:
+        """Will the next gradient taken open a new buffer (not held in place)?"""
+        return self.input.buffer is None and not self._works_in_place()
 
     def _buffer_for_writing(self) -> None:
         if self.input.buffer is None:

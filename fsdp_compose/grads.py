@@ -382,13 +382,14 @@ class UnitGradients:
 
     # ------------------------------------------------------------------ filling the buffer
     def held_tensors(self) -> list[torch.Tensor]:
-        """What the unit holds between steps besides ``.grad``: an accumulation window's buffer, HSDP's partial sums
-        (``fc.move_to_host`` moves them)."""
+        """What the unit holds between steps besides ``.grad``: an accumulation window's buffer or one rank's sums
+        held in place, HSDP's partial sums (``fc.move_to_host`` moves them)."""
         held = [t for t in (self.input.buffer, self.replica_partial) if t is not None]
         return held + list(self.held_in_place.values())
 
     def capture(self, mp: ManagedParam) -> None:
-        """Post-accumulate-grad hook of a full parameter: while accumulating, move its gradient into the buffer.
+        """Post-accumulate-grad hook of a full parameter: while accumulating, move its gradient into the buffer (on
+        one rank, onto the sums held in place).
 
         In a no-sync micro-batch (and in the synced one that ends an accumulation window) each gradient is written
         (or added) into the unit's buffer in the reduce-scatter layout as soon as autograd produced it, and freed, so

@@ -148,3 +148,41 @@ def test_one_rank_accumulates_where_autograd_made_the_gradients(run_dist, bf16: 
             assert mine - plain <= 4 * result["params"], (result["copied"], result["plain"], result["params"])
     else:
         assert result["copied"][1:] == result["plain"][1:], (result["copied"], result["plain"])
+
+
+def _hook_set_inside_a_window(rank: int, ws: int) -> dict[str, Any]:
+    """One rank: two no-sync micro-batches held in place, then FSDP2's all-reduce hook (doubling the reduced rows)
+    set on the first block, then the synced micro-batch: the held sums move into the buffer the hook reads."""
+    torch.manual_seed(0)
+    reference = GPT(CFG)
+    model = copy.deepcopy(reference)
+    for block in model.blocks:
+        fc.fully_shard(block, mesh=mesh_1d(1), fsdp2_methods=True)
+    fc.fully_shard(model, mesh=mesh_1d(1), fsdp2_methods=True)
+    batches = [synthetic_batch(CFG, 2, micro) for micro in range(3)]
+    for inputs, targets in batches:
+        loss_fn(reference(inputs), targets).backward()
+    seen: list[int] = []
+
+    def double(rows: torch.Tensor) -> None:
+        seen.append(rows.numel())
+        rows.mul_(2.0)
+
+    for index, (inputs, targets) in enumerate(batches):
+        fc.set_requires_gradient_sync(model, index == len(batches) - 1)
+        if index == len(batches) - 1:
+            model.blocks[0].set_all_reduce_hook(double)  # type: ignore[operator]
+        loss_fn(model(inputs), targets).backward()
+    hooked = {f"blocks.0.{name}" for name, _ in model.blocks[0].named_parameters()}
+    worst = 0.0
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        expected = ref.grad * (2.0 if name in hooked else 1.0)  # type: ignore[operator]
+        worst = max(worst, (param.grad.full_tensor() - expected).abs().max().item())  # type: ignore[union-attr]
+    return {"diff": worst, "seen": seen}
+
+
+def test_a_hook_set_inside_a_window_reads_what_was_held_in_place(run_dist) -> None:
+    """One rank: gradients held in place by no-sync micro-batches move into the flat buffer when an all-reduce hook
+    (which reads one) is set before the synced micro-batch; every gradient sums all three micro-batches."""
+    (result,) = run_dist(1, _hook_set_inside_a_window)
+    assert result["seen"] and result["diff"] <= 1e-5, result

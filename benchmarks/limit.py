@@ -1,7 +1,7 @@
 """The distance to the limit: fsdp_compose and torch's ``fully_shard`` beside what a step cannot beat.
 
     python benchmarks/limit.py [--settings one_rank replicate_2 shard_2 shard_4] [--dtypes fp32 bf16]
-                               [--dims 256 1024] [--write docs/benchmarks.md]
+                               [--dims 256 1024] [--micro 1 4] [--write docs/benchmarks.md]
 
 Settings (each in processes of its own: a fresh gloo group per setting, dtype and size):
 
@@ -23,6 +23,10 @@ own ``fsdp::all_gather_copy_in`` / ``split_with_sizes_copy`` / ``chunk_cat``; by
 DTensors), outside a collective's call or wait (gloo copies there). The plain model's own copies (its attention's
 ``contiguous`` and the like) are measured on the same local batch and subtracted: the remainder is what the
 implementation adds, also given per byte of fp32 parameters.
+
+``--micro K``: each step splits the per-rank batch into ``K`` micro-batches, all but the last without gradient
+synchronisation (``fc.set_requires_gradient_sync``, torch's ``set_requires_gradient_sync``, DDP's ``no_sync``; the
+plain model accumulates into ``.grad``), then one optimizer step: the cost of gradient accumulation beside the limit.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import fsdp_compose as fc  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
 from benchmarks.run import BenchArgs, Impl, Variant, build, local_batch, peak_of, time_interleaved  # noqa: E402
-from examples.gpt_model import GPT  # noqa: E402
+from examples.gpt_model import GPT, loss_fn  # noqa: E402
 
 SETTINGS = {"one_rank": (1, "plain"), "replicate_2": (2, "ddp"), "shard_2": (2, None), "shard_4": (4, None)}
 COPY_OPS = {
@@ -121,6 +125,41 @@ class Case:
     setting: str
     dtype: str
     dim: int
+    micro: int = 1  # micro-batches per step (gradient accumulation; all but the last without synchronisation)
+
+
+@dataclass
+class Window(Impl):
+    """One step: the per-rank batch in ``micro`` micro-batches, all but the last without gradient synchronisation
+    (each implementation's own switch; the plain model simply accumulates into ``.grad``), then the optimizer step."""
+
+    micro: int = 1
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        autocast = torch.autocast("cpu", dtype=self.autocast_dtype) if self.autocast_dtype else contextlib.nullcontext()
+        loss = torch.zeros(())
+        for index, (xs, ys) in enumerate(zip(x.chunk(self.micro), y.chunk(self.micro), strict=True)):
+            with _synchronising(self, index == self.micro - 1):
+                with autocast:
+                    loss = loss_fn(self.model(xs), ys)
+                loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.last_loss = loss.item()
+
+
+def _synchronising(impl: Impl, last: bool) -> contextlib.AbstractContextManager[Any]:
+    if impl.name == "fsdp_compose":
+        fc.set_requires_gradient_sync(impl.model, last)
+    elif impl.name == "torch_fsdp2":
+        impl.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+    elif impl.name == "ddp" and not last:
+        return impl.model.no_sync()  # type: ignore[operator,no-any-return]
+    return contextlib.nullcontext()
+
+
+def _windowed(impl: Impl, micro: int) -> Impl:
+    return impl if micro == 1 else Window(impl.name, impl.model, impl.opt, impl.autocast_dtype, micro=micro)
 
 
 def _plain(args: BenchArgs, bf16: bool) -> Impl:
@@ -133,13 +172,13 @@ def _builders(case: Case, args: BenchArgs, mesh: DeviceMesh) -> dict[str, Callab
     variant = Variant(case.dtype, bf16=case.dtype == "bf16")
     limit = SETTINGS[case.setting][1]
     builders: dict[str, Callable[[], Impl]] = {
-        "fsdp_compose": lambda: build("fsdp_compose", variant, args, mesh),
-        "torch_fsdp2": lambda: build("torch_fsdp2", variant, args, mesh),
+        "fsdp_compose": lambda: _windowed(build("fsdp_compose", variant, args, mesh), case.micro),
+        "torch_fsdp2": lambda: _windowed(build("torch_fsdp2", variant, args, mesh), case.micro),
     }
     if limit == "plain":
-        builders["plain"] = lambda: _plain(args, variant.bf16)
+        builders["plain"] = lambda: _windowed(_plain(args, variant.bf16), case.micro)
     elif limit == "ddp":
-        builders["ddp"] = lambda: build("ddp", variant, args, mesh)
+        builders["ddp"] = lambda: _windowed(build("ddp", variant, args, mesh), case.micro)
     return builders
 
 
@@ -164,7 +203,8 @@ def run_case(case: Case, args: BenchArgs, mesh: DeviceMesh) -> dict[str, Any]:
     copied = {name: _copied(impl, args) for name, impl in impls.items()}
     losses = {name: impl.last_loss for name, impl in impls.items()}
     del impls
-    own = _copied(_warm(lambda: _plain(args, case.dtype == "bf16"), args, 1), args)  # the model's own copies
+    plain = functools.partial(_plain, args, case.dtype == "bf16")
+    own = _copied(_warm(lambda: _windowed(plain(), case.micro), args, 1), args)  # the model's own copies
     peaks = {name: peak_of(functools.partial(_warm, make, args, 2), args) for name, make in builders.items()}
     params = sum(p.numel() * 4 for p in GPT(args.gpt_config()).parameters())
     return {
@@ -233,8 +273,9 @@ def _row(res: dict[str, Any]) -> list[str]:
     lim_t = times.get(limit) if limit else None
     added = [(copied[name] - res["model_copies"]) / res["param_bytes"] for name in ("fsdp_compose", "torch_fsdp2")]
     mib = [f"{copied[name] / MIB:.1f}" if name in copied else "-" for name in ("fsdp_compose", "torch_fsdp2", limit)]
+    micro = case.get("micro", 1)
     return [
-        case["setting"],
+        case["setting"] + (f", {micro} micro-batches" if micro > 1 else ""),
         case["dtype"],
         str(case["dim"]),
         limit or "-",
@@ -272,12 +313,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--write", metavar="PATH", help="replace the 'limit' section of this markdown file")
+    parser.add_argument(
+        "--micro", nargs="+", type=int, default=[1], help="micro-batches per step (the batch split; accumulation)"
+    )
+    parser.add_argument("--write", metavar="PATH", help="replace the --section of this markdown file")
+    parser.add_argument("--section", default="limit", help="marker: <!-- NAME:start --> ... <!-- NAME:end -->")
     parser.add_argument("--json", metavar="PATH", help="also dump the raw results as JSON")
     ns = parser.parse_args(argv)
     results = []
     start = time.perf_counter()
-    for setting in ns.settings:
+    for setting, micro in ((setting, micro) for setting in ns.settings for micro in ns.micro):
         for dim in ns.dims:
             for dtype in ns.dtypes:
                 args = BenchArgs(
@@ -295,8 +340,8 @@ def main(argv: list[str] | None = None) -> None:
                     memory=True,
                     memory_steps=ns.memory_steps,
                 )
-                results.append(run(Case(setting, dtype, dim), args))
-                print(f"[limit] {setting} {dtype} d={dim} done", flush=True)
+                results.append(run(Case(setting, dtype, dim, micro), args))
+                print(f"[limit] {setting} x{micro} {dtype} d={dim} done", flush=True)
     command = "python benchmarks/limit.py " + " ".join(sys.argv[1:] if argv is None else argv)
     table = render(results, command, time.perf_counter() - start)
     print(table)
@@ -304,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(ns.json).write_text(json.dumps(results, indent=1))
     if ns.write:
         target = Path(ns.write) if Path(ns.write).is_absolute() else REPO / ns.write
-        write_section(target, table + "\n", "limit")
+        write_section(target, table + "\n", ns.section)
         print(f"wrote {target}")
 
 

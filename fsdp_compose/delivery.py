@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import current_stream, issued_on, record_event
 from .extensions import ShardExtensions
-from .flat import ManagedParam, sharded_dtensor
+from .flat import ManagedParam
 from .meshes import DataParallelMesh
 from .offload import UnitDevices
 from .transitions import internal_error
@@ -260,7 +260,8 @@ class GradientDelivery:
                 # One zero broadcast to the shard's shape: it costs no memory (a real zero gradient here would add
                 # a sharded gradient's worth to the whole accumulation window) and still records zero_grad.
                 local = mp.sharded._local_tensor
-                grad = _like_sharded(mp, torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape))
+                zeros = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
+                grad = DTensor(zeros, mp.sharded._spec, requires_grad=False)  # the parameter's own spec (same dtype)
                 mp.sharded.grad = grad
                 self._placeholders[id(mp)] = id(grad)
             self.marks[id(mp)] = (id(grad), *_versions(grad))
@@ -276,12 +277,6 @@ class GradientDelivery:
                 self.marks = {}
                 return True
         return False
-
-
-def _like_sharded(mp: ManagedParam, local: torch.Tensor) -> DTensor:
-    """``local`` as a gradient of the sharded parameter: its mesh, placements, global shape and stride."""
-    sharded = mp.sharded
-    return sharded_dtensor(local, sharded.device_mesh, sharded.placements, sharded.shape, sharded.stride())
 
 
 def _zeroed_in_place(grad: torch.Tensor, mark: tuple[int, int, int]) -> bool:

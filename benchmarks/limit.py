@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import fsdp_compose as fc  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
 from benchmarks.run import BenchArgs, Impl, Variant, build, local_batch, peak_of, time_interleaved  # noqa: E402
-from examples.gpt_model import GPT, loss_fn  # noqa: E402
+from examples.gpt_model import GPT  # noqa: E402
 
 SETTINGS = {"one_rank": (1, "plain"), "replicate_2": (2, "ddp"), "shard_2": (2, None), "shard_4": (4, None)}
 COPY_OPS = {
@@ -136,16 +136,11 @@ class Window(Impl):
     micro: int = 1
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        autocast = torch.autocast("cpu", dtype=self.autocast_dtype) if self.autocast_dtype else contextlib.nullcontext()
         loss = torch.zeros(())
         for index, (xs, ys) in enumerate(zip(x.chunk(self.micro), y.chunk(self.micro), strict=True)):
             with _synchronising(self, index == self.micro - 1):
-                with autocast:
-                    loss = loss_fn(self.model(xs), ys)
-                loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.last_loss = loss.item()
+                loss = self.backward(xs, ys)
+        self.optimizer_step(loss)
 
 
 def _synchronising(impl: Impl, last: bool) -> contextlib.AbstractContextManager[Any]:

@@ -120,10 +120,17 @@ class Impl:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Forward, backward, optimizer step; gradients are freed right after the step."""
+        self.optimizer_step(self.backward(x, y))
+
+    def backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward (under autocast where the implementation runs it) and backward of one batch; the loss."""
         autocast = torch.autocast("cpu", dtype=self.autocast_dtype) if self.autocast_dtype else contextlib.nullcontext()
         with autocast:
             loss = loss_fn(self.model(x), y)
         loss.backward()
+        return loss
+
+    def optimizer_step(self, loss: torch.Tensor) -> None:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.last_loss = loss.item()
